@@ -1,0 +1,206 @@
+"""The compressed allreduce on 2, 3 and 4 gloo ranks."""
+
+import math
+
+import pytest
+import torch
+
+from hf_zeroone.comm import CommStats, Communicator, fp32_allreduce_bytes
+from hf_zeroone.compression import ChunkLayout
+
+from _dist import run_ranks
+
+SIZES = [1, 13, 1001, 20001]
+
+
+def _comm_checks(rank, world, sizes):
+    import torch
+
+    from hf_zeroone.comm import Communicator
+    from hf_zeroone.compression import ChunkLayout
+
+    comm = Communicator()
+    out = {"rank": rank}
+    g = torch.Generator().manual_seed(1234 + rank)
+
+    # Repeated rounds on constant inputs: the running mean of the outputs converges to the mean.
+    for n in sizes:
+        x = torch.randn(n, generator=g)
+        layout = ChunkLayout.from_mask(n, world)
+        we, se = torch.zeros(layout.padded), torch.zeros(layout.chunk)
+        before = comm.stats.copy()
+        outputs = []
+        for _ in range(200):
+            buf = torch.zeros(layout.padded)
+            buf[:n] = x
+            outputs.append(comm.compressed_allreduce(buf, we, se, layout))
+        out[f"x{n}"] = x
+        out[f"outputs{n}"] = torch.stack(outputs)
+        out[f"stats{n}"] = (comm.stats - before).as_dict()
+
+    # Masked elements (and several segments per chunk): exactly zero out, no error kept there.
+    n = 40
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[5:15] = False
+    layout = ChunkLayout.from_mask(n, world, keep, segment_starts=[5, 17, 30])
+    we, se = torch.zeros(layout.padded), torch.zeros(layout.chunk)
+    for _ in range(5):
+        buf = torch.zeros(layout.padded)
+        buf[:n] = torch.randn(n, generator=g)
+        res = comm.compressed_allreduce(buf, we, se, layout)
+    out["masked_result"] = res
+    out["masked_we"] = we.clone()
+    out["masked_se"] = se.clone()
+
+    # Non-finite input on rank 1 only: NaN everywhere, error buffers untouched, then recovery.
+    n = 64
+    layout = ChunkLayout.from_mask(n, world)
+    we, se = torch.zeros(layout.padded), torch.zeros(layout.chunk)
+    buf = torch.zeros(layout.padded)
+    buf[:n] = torch.randn(n, generator=g)
+    comm.compressed_allreduce(buf, we, se, layout)
+    we_before, se_before = we.clone(), se.clone()
+    buf = torch.zeros(layout.padded)
+    buf[:n] = torch.randn(n, generator=g)
+    if rank == 1:
+        buf[3] = float("inf")
+    bad = comm.compressed_allreduce(buf, we, se, layout)
+    out["nonfinite_result"] = bad
+    out["nonfinite_errors_unchanged"] = torch.equal(we, we_before) and torch.equal(se, se_before)
+    buf = torch.zeros(layout.padded)
+    buf[:n] = torch.randn(n, generator=g)
+    out["after_nonfinite"] = comm.compressed_allreduce(buf, we, se, layout)
+
+    # Several "buckets" in flight at once (as DDP issues them), then an exact allreduce.
+    futs = []
+    for n in [100, 7, 3000, 64]:
+        layout = ChunkLayout.from_mask(n, world)
+        buf = torch.zeros(layout.padded)
+        buf[:n] = torch.randn(n, generator=g)
+        futs.append(
+            comm.compressed_allreduce_async(
+                buf, torch.zeros(layout.padded), torch.zeros(layout.chunk), layout
+            )
+        )
+    exact = comm.allreduce_mean_async(torch.full((10,), float(rank)))
+    out["inflight"] = [f.wait() for f in futs]
+    out["exact_mean"] = exact.wait()
+
+    # Empty input: nothing sent.
+    before = comm.stats.copy()
+    layout = ChunkLayout.from_mask(0, world)
+    empty = comm.compressed_allreduce(torch.zeros(0), torch.zeros(0), torch.zeros(0), layout)
+    out["empty"] = (empty.numel(), (comm.stats - before).as_dict())
+    comm.close()
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def world_results(request):
+    world = request.param
+    return world, run_ranks(_comm_checks, world, SIZES, timeout=180)
+
+
+def test_result_is_bit_identical_on_every_rank(world_results):
+    world, res = world_results
+    for key in [f"outputs{n}" for n in SIZES] + ["masked_result", "after_nonfinite", "exact_mean"]:
+        for r in res[1:]:
+            assert torch.equal(res[0][key], r[key]), key
+    for r in res[1:]:
+        for a, b in zip(res[0]["inflight"], r["inflight"]):
+            assert torch.equal(a, b)
+
+
+def test_exact_allreduce_is_the_mean(world_results):
+    world, res = world_results
+    expected = sum(range(world)) / world
+    assert torch.allclose(res[0]["exact_mean"], torch.full((10,), expected))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_error_feedback_telescopes(world_results, n):
+    """Feeding constant inputs, the mean of T outputs approaches the exact mean like 1/T."""
+    world, res = world_results
+    exact = sum(r[f"x{n}"] for r in res) / world
+    outputs = res[0][f"outputs{n}"][:, :n]
+
+    def rel_err(t):
+        return ((outputs[:t].mean(0) - exact).norm() / exact.norm()).item()
+
+    e25, e200 = rel_err(25), rel_err(200)
+    # A single 1-bit round is far off; averaging over rounds removes the error ~ 1/T.
+    assert e200 < 0.05, (e25, e200)
+    assert e200 < 0.35 * e25 + 1e-6, (e25, e200)
+    # The sum of outputs stays within a bounded distance of T * exact (the telescoping bound).
+    drift = (outputs.sum(0) - 200 * exact).norm() / exact.norm()
+    assert drift < 10.0
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_bytes_counted_match_the_formula(world_results, n):
+    world, res = world_results
+    stats = res[0][f"stats{n}"]
+    layout = ChunkLayout.from_mask(n, world)
+    assert layout.segments_per_chunk == 1
+    per_call = 2 * (world - 1) / world * layout.padded / 8 + 2 * (world - 1) * 4
+    assert stats["bytes_sent"] == pytest.approx(200 * per_call)
+    assert stats["collectives"] == 400
+    assert stats["compressed_allreduces"] == 200
+    assert stats["fp32_equivalent_bytes"] == 200 * fp32_allreduce_bytes(n, world)
+    if n == 20001:  # large enough for the 1/32 floor to show
+        assert stats["fp32_equivalent_bytes"] / stats["bytes_sent"] > 28
+
+
+def test_masked_elements_are_zero_and_keep_no_error(world_results):
+    world, res = world_results
+    for r in res:
+        assert r["masked_result"][5:15].eq(0).all()
+        assert r["masked_we"][5:15].eq(0).all()
+        assert r["masked_result"][40:].eq(0).all()  # padding
+        assert r["masked_we"][40:].eq(0).all()
+        assert r["masked_result"][:5].ne(0).all()
+
+
+def test_non_finite_on_one_rank_reaches_every_rank_and_spares_errors(world_results):
+    world, res = world_results
+    for r in res:
+        assert torch.isnan(r["nonfinite_result"]).all()
+        assert r["nonfinite_errors_unchanged"]
+        assert torch.isfinite(r["after_nonfinite"]).all()
+
+
+def test_empty_input_sends_nothing(world_results):
+    world, res = world_results
+    numel, stats = res[0]["empty"]
+    assert numel == 0 and stats["bytes_sent"] == 0 and stats["collectives"] == 0
+
+
+def test_single_process_communicator_is_local_and_free():
+    comm = Communicator()
+    assert comm.world_size == 1 and not comm.is_distributed
+    layout = ChunkLayout.from_mask(10, 1)
+    x = torch.randn(layout.padded)
+    out = comm.compressed_allreduce(x.clone(), torch.zeros(layout.padded), torch.zeros(layout.chunk), layout)
+    assert torch.equal(out[:10], x[:10])
+    assert comm.allreduce_mean(x) is x
+    assert comm.stats == CommStats()
+
+
+def test_bad_buffers_raise_clear_errors():
+    comm = Communicator()
+    layout = ChunkLayout.from_mask(10, 1)
+    with pytest.raises(ValueError, match="worker_error must be a contiguous float32 tensor of 16"):
+        comm.compressed_allreduce(torch.zeros(16), torch.zeros(10), torch.zeros(16), layout)
+    with pytest.raises(ValueError, match="world_size=2"):
+        comm.compressed_allreduce(
+            torch.zeros(16), torch.zeros(16), torch.zeros(8), ChunkLayout.from_mask(10, 2)
+        )
+
+
+def test_stats_arithmetic():
+    a = CommStats(bytes_sent=10, collectives=2, fp32_equivalent_bytes=320)
+    b = a.copy()
+    b.bytes_sent += 5
+    assert (b - a).bytes_sent == 5 and (a + a).collectives == 4
+    assert a.compression_ratio == 32.0
+    assert math.isinf(CommStats().compression_ratio)

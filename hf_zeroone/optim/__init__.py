@@ -1,0 +1,7 @@
+"""Communication-compressed Adam optimizers."""
+
+from hf_zeroone.optim._base import CompressedAdamBase, StepKind
+from hf_zeroone.optim.onebit_adam import OneBitAdam
+from hf_zeroone.optim.zeroone_adam import ZeroOneAdam
+
+__all__ = ["CompressedAdamBase", "OneBitAdam", "StepKind", "ZeroOneAdam"]

@@ -1,0 +1,606 @@
+"""Shared machinery of the communication-compressed Adam optimizers.
+
+An optimizer step has a :class:`StepKind` fixed by the optimizer's schedule before backward runs.
+Each kind says what every rank contributes (its *message*), how messages are combined across
+ranks, and how the combined *result* updates the state:
+
+================  ==================================  =====================  ==========================
+kind              message of rank i                   combined by            result is used as
+================  ==================================  =====================  ==========================
+EXACT             g_i                                 fp32 allreduce (mean)  gradient: m and v
+ONEBIT_GRADIENT   g_i                                 1-bit allreduce        gradient: m only
+ONEBIT_MOMENTUM   beta1 * m + (1 - beta1) * g_i       1-bit allreduce        new m, as implied gradient
+LOCAL             (nothing sent)                      --                     local gradient: m
+ONEBIT_SYNC       u, after this step's local update   1-bit allreduce        accumulated update u
+================  ==================================  =====================  ==========================
+
+The first three kinds communicate gradient-like messages that are ready when backward ends, so
+the DDP hook sends them during backward. ``ONEBIT_SYNC`` is a local step followed by a sync of
+``u``; since ``u`` needs this step's (possibly clipped) gradient, it is sent in ``step()``, after
+backward and clipping, by every path. Only sync steps (one in up to ``local_step_clipper`` steps
+of 0/1 Adam's local phase) lose the overlap with backward.
+
+For ``ONEBIT_MOMENTUM`` the combined momentum ``m'`` is turned into the gradient it implies,
+``g = (m' - beta1 * m) / (1 - beta1)`` (:meth:`CompressedAdamBase.implied_gradient`), identical on
+every rank; ``m <- beta1 * m + (1 - beta1) * g`` then gives back ``m'``. So on every step that
+communicates, what sits in ``p.grad`` after a DDP hook is an averaged gradient, and gradient
+clipping (the Trainer clips between backward and ``step()``) means what it means with plain DDP.
+
+The messages are computed by :meth:`CompressedAdamBase.write_message` and the results applied by
+:meth:`CompressedAdamBase.step`. Two callers compute messages: ``step`` itself when nobody
+communicated during backward (no DDP, or DDP without our hook), and the DDP communication hook
+(:mod:`hf_zeroone.ddp_hook`), which writes them into DDP's gradient buckets during backward and
+hands the results back as ``p.grad``. Both go through the same two methods, so the maths exists
+once.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from hf_zeroone.comm import CommStats, Communicator
+from hf_zeroone.compression import ChunkLayout
+
+__all__ = ["CompressedAdamBase", "FlatBuffers", "StepKind"]
+
+_STATE_KEY = "hf_zeroone"
+
+
+class StepKind(enum.Enum):
+    """What one optimizer step communicates (see the module docstring)."""
+
+    EXACT = "exact"
+    ONEBIT_GRADIENT = "onebit_gradient"
+    ONEBIT_MOMENTUM = "onebit_momentum"
+    LOCAL = "local"
+    ONEBIT_SYNC = "onebit_sync"
+
+    @property
+    def communicates(self) -> bool:
+        return self is not StepKind.LOCAL
+
+    @property
+    def communicates_in_backward(self) -> bool:
+        """True when the message is ready when backward ends (a DDP hook can send it)."""
+        return self in (StepKind.EXACT, StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM)
+
+    @property
+    def compressed(self) -> bool:
+        return self in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM, StepKind.ONEBIT_SYNC)
+
+    @property
+    def message_is_gradient(self) -> bool:
+        """True when a rank's message is its raw gradient (what DDP's bucket already holds)."""
+        return self in (StepKind.EXACT, StepKind.ONEBIT_GRADIENT)
+
+
+@dataclass
+class FlatBuffers:
+    """Flat fp32 buffers for one ordered list of parameters (all of them, or one DDP bucket).
+
+    ``worker_error`` and ``server_error_full`` are the storage behind the per-parameter state
+    entries ``"worker_error"`` / ``"server_error"`` (those are views into them), so the state
+    stays per parameter (checkpoints do not depend on DDP's buckets) while communication works on
+    flat memory. ``server_error`` is this rank's chunk of ``server_error_full``.
+    """
+
+    params: tuple[Tensor, ...]
+    offsets: tuple[int, ...]
+    layout: ChunkLayout
+    message: Tensor
+    worker_error: Tensor
+    server_error_full: Tensor
+    server_error: Tensor
+    worker_error_views: tuple[Tensor, ...]
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """Slices of ``flat`` shaped like each parameter."""
+        return [flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+
+
+def _check_fraction(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+class CompressedAdamBase(Optimizer):
+    """Adam with a communication schedule; subclasses define the schedule.
+
+    Args:
+        params: parameters or parameter groups, as for :class:`torch.optim.AdamW`.
+        lr: learning rate.
+        betas: ``(beta1, beta2)``, each in ``[0, 1)``.
+        eps: added to ``sqrt(v_hat)`` in the denominator.
+        weight_decay: weight-decay coefficient.
+        bias_correction: divide ``m`` by ``1 - beta1^t`` and ``v`` by ``1 - beta2^k`` (``k`` counts
+            the variance updates actually made). On by default, like ``torch.optim.AdamW``;
+            DeepSpeed applies none (pass ``False`` to port a DeepSpeed config exactly).
+        decoupled_weight_decay: ``True`` (default) decays parameters directly,
+            ``p <- p * (1 - lr * wd)`` (AdamW, what Hugging Face users expect, and what DeepSpeed
+            does); ``False`` adds ``wd * p`` to the gradient (L2, ``torch.optim.Adam``).
+        process_group: data-parallel group; ``None`` means the default group when
+            ``torch.distributed`` is initialised, or a single process (no communication).
+        auto_momentum_mask: at the first compressed step, keep out of compression every element
+            whose ``exp_avg_sq`` is exactly zero (it never had a gradient, e.g. position
+            embeddings beyond the sequence length). One bit cannot say zero, so without a mask
+            such elements collect compression error and drift.
+        communicator: an existing :class:`~hf_zeroone.comm.Communicator` to use instead of
+            creating one from ``process_group``.
+
+    With no process group, or a world size of 1, the optimizer communicates nothing and runs Adam
+    with the same schedule (so it can be used and tested in a single process).
+    """
+
+    #: the hyper-parameters that define the schedule (stored in ``state_dict``); set by subclasses
+    schedule_params: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        bias_correction: bool,
+        decoupled_weight_decay: bool,
+        process_group: dist.ProcessGroup | None,
+        auto_momentum_mask: bool,
+        communicator: Communicator | None,
+    ) -> None:
+        if isinstance(lr, Tensor) or not isinstance(lr, (int, float)) or not lr >= 0.0:
+            raise ValueError(f"lr must be a float >= 0, got {lr!r}")
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        _check_fraction("betas[0]", betas[0])
+        _check_fraction("betas[1]", betas[1])
+        if not (isinstance(eps, (int, float)) and eps >= 0.0):
+            raise ValueError(f"eps must be >= 0, got {eps!r}")
+        if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        defaults = dict(
+            lr=float(lr),
+            betas=(float(betas[0]), float(betas[1])),
+            eps=float(eps),
+            weight_decay=float(weight_decay),
+            bias_correction=bool(bias_correction),
+            decoupled_weight_decay=bool(decoupled_weight_decay),
+        )
+        super().__init__(params, defaults)
+        self.auto_momentum_mask = bool(auto_momentum_mask)
+        self.comm = communicator if communicator is not None else Communicator(process_group)
+        self.schedule: dict[str, Any] = {"step": 0, "variance_updates": 0, "masks_ready": False}
+        self.schedule.update(self._initial_schedule())
+        self._flat_cache: dict[tuple[int, ...], FlatBuffers] = {}
+        self._prepared_step = -1
+        self._group_of: dict[int, dict[str, Any]] | None = None
+        #: set by a DDP hook: the step whose results are already in ``p.grad``
+        self.communicated_step: int | None = None
+        self._stats_at_step_start = CommStats()
+        #: bytes and collectives of the last completed step, and its kind
+        self.last_step_stats = CommStats()
+        self.last_step_kind: StepKind | None = None
+        for group in self.param_groups:
+            self._check_group(group)
+
+    # ------------------------------------------------------------------ subclass interface
+    def _initial_schedule(self) -> dict[str, Any]:
+        return {}
+
+    def next_step_kind(self) -> StepKind:
+        """The kind of the coming step (a pure function of the schedule state)."""
+        raise NotImplementedError
+
+    def _advance_schedule(self, kind: StepKind) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ groups and validation
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "schedule"):  # not during __init__
+            self._check_group(self.param_groups[-1])
+            self._flat_cache.clear()
+            self._group_of = None
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        for p in group["params"]:
+            if p.is_sparse:
+                raise ValueError(f"{type(self).__name__} does not support sparse parameters")
+            if p.is_complex():
+                raise ValueError(
+                    f"{type(self).__name__} does not support complex parameters; "
+                    "use torch.view_as_real on them"
+                )
+        mask = group.get("exp_avg_mask")
+        if mask is not None and not isinstance(mask, Tensor):
+            raise ValueError("exp_avg_mask must be a tensor broadcastable to every parameter of its group")
+
+    def trainable_params(self) -> list[tuple[dict[str, Any], Tensor]]:
+        """``(group, param)`` for every parameter that requires a gradient, in group order."""
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def group_of(self, p: Tensor) -> dict[str, Any]:
+        """The parameter group that holds ``p``."""
+        if self._group_of is None:
+            self._group_of = {id(q): g for g in self.param_groups for q in g["params"]}
+        try:
+            return self._group_of[id(p)]
+        except KeyError:
+            raise ValueError(
+                f"a parameter of shape {tuple(p.shape)} is not managed by this {type(self).__name__}; "
+                "pass all trainable parameters of the model to the optimizer"
+            ) from None
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Cumulative bytes and collectives this rank has sent (see :class:`CommStats`)."""
+        return self.comm.stats
+
+    # ------------------------------------------------------------------ per-step maths
+    def _coefficients(self, group: dict[str, Any], kind: StepKind) -> tuple[float, float]:
+        """``(c1, c2)``: bias corrections of m and v for the coming step (1 when disabled)."""
+        if not group["bias_correction"]:
+            return 1.0, 1.0
+        beta1, beta2 = group["betas"]
+        t = self.schedule["step"] + 1
+        k = self.schedule["variance_updates"] + (1 if kind is StepKind.EXACT else 0)
+        c2 = 1.0 - beta2**k if k > 0 else 1.0
+        return 1.0 - beta1**t, c2
+
+    @staticmethod
+    def _l2_gradient(group: dict[str, Any], p: Tensor, grad: Tensor) -> Tensor:
+        """The gradient plus ``wd * p`` when weight decay is L2 (not decoupled)."""
+        wd = group["weight_decay"]
+        if wd and not group["decoupled_weight_decay"]:
+            return grad.add(p, alpha=wd)
+        return grad
+
+    def write_message(
+        self, group: dict[str, Any], p: Tensor, grad: Tensor | None, kind: StepKind, out: Tensor
+    ) -> None:
+        """Write what this rank sends for ``p`` in a ``kind`` step into ``out`` (fp32, shaped like p).
+
+        Reads the optimizer state and never changes it: a step that is later skipped (non-finite
+        gradients, a GradScaler overflow) leaves no trace.
+        """
+        if grad is None:
+            grad = torch.zeros_like(p)
+        if kind.message_is_gradient:
+            out.copy_(grad)
+            return
+        state = self.state[p]
+        if kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
+            out.copy_(state["momentum_accumulator"])
+            return
+        beta1 = group["betas"][0]
+        g = self._l2_gradient(group, p, grad)
+        out.copy_(state["exp_avg"]).mul_(beta1).add_(g, alpha=1.0 - beta1)
+
+    def implied_gradient(self, group: dict[str, Any], p: Tensor, combined_momentum: Tensor) -> Tensor:
+        """Turn a combined momentum into the gradient it implies, in place in ``combined_momentum``.
+
+        ``g = (m' - beta1 * m) / (1 - beta1)``, so that ``beta1 * m + (1 - beta1) * g == m'``.
+        """
+        beta1 = group["betas"][0]
+        m = self.state[p]["exp_avg"]
+        return combined_momentum.sub_(m.to(combined_momentum.dtype), alpha=beta1).div_(1.0 - beta1)
+
+    def _apply(self, group: dict[str, Any], p: Tensor, result: Tensor, kind: StepKind) -> None:
+        """Update ``p`` and its state from the combined ``result`` (or the local gradient)."""
+        state = self.state[p]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        c1, c2 = self._coefficients(group, kind)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        decay = 1.0 - lr * wd if group["decoupled_weight_decay"] else 1.0
+        result = result.to(p.dtype)
+
+        # An implied gradient (ONEBIT_MOMENTUM) already carries the L2 term of the message.
+        g = result if kind is StepKind.ONEBIT_MOMENTUM else self._l2_gradient(group, p, result)
+        exp_avg.lerp_(g, 1.0 - beta1)
+        if kind is StepKind.EXACT:
+            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        if decay != 1.0:
+            p.mul_(decay)
+        denom = exp_avg_sq.sqrt().div_(math.sqrt(c2)).add_(eps)
+        p.addcdiv_(exp_avg, denom, value=-lr / c1)
+        if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
+            state["momentum_accumulator"].add_(exp_avg, alpha=lr / c1)
+            state["lr_sum"] += lr
+            state["decay_prod"] *= decay
+
+    def _apply_sync(self, group: dict[str, Any], p: Tensor, combined_u: Tensor, kind: StepKind) -> None:
+        """Back to the last synced parameters, then the averaged accumulated update."""
+        state = self.state[p]
+        c1, c2 = self._coefficients(group, kind)
+        denom = state["exp_avg_sq"].sqrt().div_(math.sqrt(c2)).add_(group["eps"])
+        combined_u = combined_u.to(p.dtype)
+        p.copy_(state["sync_param"]).mul_(state["decay_prod"]).addcdiv_(combined_u, denom, value=-1.0)
+        if state["lr_sum"] > 0:
+            state["exp_avg"].copy_(combined_u).mul_(c1 / state["lr_sum"])
+        state["momentum_accumulator"].zero_()
+        state["sync_param"].copy_(p)
+        state["lr_sum"], state["decay_prod"] = 0.0, 1.0
+
+    # ------------------------------------------------------------------ preparation
+    def _init_state(self, p: Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def prepare_step(self) -> StepKind:
+        """Make the state ready for the coming step and return its kind. Idempotent per step.
+
+        Called by :meth:`step` and by the DDP hook before it computes messages.
+        """
+        kind = self.next_step_kind()
+        if self._prepared_step == self.schedule["step"]:
+            return kind
+        for _, p in self.trainable_params():
+            self._init_state(p)
+        if kind.compressed and not self.schedule["masks_ready"]:
+            self._build_momentum_masks()
+        if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC) and not self.schedule.get(
+            "local_phase_started", True
+        ):
+            self._start_local_phase()
+        self._prepared_step = self.schedule["step"]
+        self._stats_at_step_start = self.comm.stats.copy()
+        return kind
+
+    def _build_momentum_masks(self) -> None:
+        """Fix, once, which elements take part in compression (see ``auto_momentum_mask``)."""
+        for group, p in self.trainable_params():
+            state = self.state[p]
+            mask = None
+            if self.auto_momentum_mask:
+                nonzero = state["exp_avg_sq"] != 0
+                if not bool(nonzero.all()):
+                    mask = nonzero
+            user = group.get("exp_avg_mask")
+            if user is not None:
+                user_mask = torch.broadcast_to(user.to(p.device) != 0, p.shape)
+                mask = user_mask if mask is None else mask & user_mask
+            if mask is not None:
+                state["momentum_mask"] = mask.clone()
+        self.schedule["masks_ready"] = True
+        self._flat_cache.clear()
+
+    def _start_local_phase(self) -> None:
+        """Entering local steps: remember the synced parameters, reset u and the error buffers."""
+        for _, p in self.trainable_params():
+            state = self.state[p]
+            state["sync_param"] = p.detach().clone()
+            state["momentum_accumulator"] = torch.zeros_like(p)
+            state["lr_sum"], state["decay_prod"] = 0.0, 1.0
+            # The errors so far belong to compressed gradients, not to u (as DeepSpeed does).
+            for key in ("worker_error", "server_error"):
+                if key in state:
+                    state[key].zero_()
+        self.schedule["local_phase_started"] = True
+
+    # ------------------------------------------------------------------ flat buffers
+    def flat_buffers(self, params: Sequence[Tensor]) -> FlatBuffers:
+        """Flat message and error buffers for ``params`` in this order (cached per order).
+
+        The first call for an order (e.g. after DDP rebuilt its buckets) moves each parameter's
+        error state into new flat storage and makes the state entries views of it.
+        """
+        key = tuple(id(p) for p in params)
+        entry = self._flat_cache.get(key)
+        if entry is not None and all(
+            self.state[p].get("worker_error") is view
+            for p, view in zip(entry.params, entry.worker_error_views)
+        ):
+            return entry
+        device = params[0].device
+        offsets, total = [], 0
+        for p in params:
+            if p.device != device:
+                raise ValueError(
+                    f"{type(self).__name__} needs all parameters communicated together on one device; "
+                    f"found {p.device} and {device}"
+                )
+            offsets.append(total)
+            total += p.numel()
+        masks = [self.state[p].get("momentum_mask") for p in params]
+        element_mask = None
+        if any(m is not None for m in masks):
+            element_mask = torch.cat(
+                [
+                    (m.to(device).reshape(-1) != 0)
+                    if m is not None
+                    else torch.ones(p.numel(), dtype=torch.bool, device=device)
+                    for m, p in zip(masks, params)
+                ]
+            )
+        layout = ChunkLayout.from_mask(
+            total, self.comm.world_size, element_mask, device, segment_starts=offsets
+        )
+        worker = torch.zeros(layout.padded, dtype=torch.float32, device=device)
+        server = torch.zeros(layout.padded, dtype=torch.float32, device=device)
+        for p, o in zip(params, offsets):
+            state = self.state[p]
+            for name, flat in (("worker_error", worker), ("server_error", server)):
+                view = flat[o : o + p.numel()].view_as(p)
+                if name in state:
+                    view.copy_(state[name])
+                state[name] = view
+        c, r = layout.chunk, self.comm.rank
+        entry = FlatBuffers(
+            params=tuple(params),
+            offsets=tuple(offsets),
+            layout=layout,
+            message=torch.zeros(layout.padded, dtype=torch.float32, device=device),
+            worker_error=worker,
+            server_error_full=server,
+            server_error=server[r * c : (r + 1) * c],
+            worker_error_views=tuple(self.state[p]["worker_error"] for p in params),
+        )
+        self._flat_cache[key] = entry
+        return entry
+
+    # ------------------------------------------------------------------ the step
+    def _exchange(self, kind: StepKind) -> list[tuple[dict[str, Any], Tensor, Tensor]]:
+        """Compute every parameter's message and combine across ranks; no DDP hook involved."""
+        pairs = self.trainable_params()
+        if not pairs:
+            return []
+        params = [p for _, p in pairs]
+        if not self.comm.is_distributed:
+            # A single process sends nothing; the "combined" value is the message itself.
+            results = []
+            for group, p in pairs:
+                if p.grad is None:
+                    continue  # like torch.optim: a parameter without gradient is left alone
+                out = torch.empty_like(p, dtype=torch.float32)
+                self.write_message(group, p, p.grad, kind, out)
+                if kind is StepKind.ONEBIT_MOMENTUM:
+                    self.implied_gradient(group, p, out)
+                results.append((group, p, out))
+            return results
+        if kind.compressed:
+            flat = self.flat_buffers(params)
+            message, views = flat.message, flat.views
+            message.zero_()
+        else:
+            message = torch.empty(
+                sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device
+            )
+            offsets = [0]
+            for p in params[:-1]:
+                offsets.append(offsets[-1] + p.numel())
+
+            def views(t: Tensor) -> list[Tensor]:
+                return [t[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets)]
+
+        for (group, p), view in zip(pairs, views(message)):
+            self.write_message(group, p, p.grad, kind, view)
+        if kind.compressed:
+            combined = self.comm.compressed_allreduce(
+                message, flat.worker_error, flat.server_error, flat.layout
+            )
+        else:
+            combined = self.comm.allreduce_mean(message)
+        results = [(group, p, view) for (group, p), view in zip(pairs, views(combined))]
+        if kind is StepKind.ONEBIT_MOMENTUM:
+            for group, p, view in results:
+                self.implied_gradient(group, p, view)
+        return results
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """Perform one optimization step (communicating first unless a DDP hook already did)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        kind = self.prepare_step()
+        hook_done = self.communicated_step == self.schedule["step"]
+        if kind.communicates_in_backward and not hook_done:
+            updates = self._exchange(kind)
+        else:  # the hook's results, or local gradients
+            updates = [(g, p, p.grad) for g, p in self.trainable_params() if p.grad is not None]
+        for _, _, value in updates:
+            if value.is_sparse:
+                raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+        if not all(bool(torch.isfinite(v).all()) for _, _, v in updates):
+            if kind.communicates_in_backward:
+                # Every rank holds the same combined values, so every rank skips together.
+                warnings.warn(
+                    f"{type(self).__name__}: non-finite values after communication at step "
+                    f"{self.schedule['step']} ({kind.value}); step skipped on all ranks, state unchanged",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self.communicated_step = None
+                return loss
+            raise RuntimeError(
+                f"{type(self).__name__}: non-finite local gradient on a local step (step "
+                f"{self.schedule['step']}); ranks cannot agree to skip without communicating. "
+                "Lower the learning rate, clip gradients, or use a GradScaler with "
+                "ZeroOneHookState.overflow_check_on_local_steps=True."
+            )
+        for group, p, value in updates:
+            self._apply(group, p, value, kind)
+        if kind is StepKind.ONEBIT_SYNC:
+            for group, p, value in self._exchange(kind):
+                self._apply_sync(group, p, value, kind)
+        if kind is StepKind.EXACT:
+            self.schedule["variance_updates"] += 1
+        self.last_step_stats = self.comm.stats - self._stats_at_step_start
+        self.last_step_kind = kind
+        self._advance_schedule(kind)
+        self.schedule["step"] += 1
+        self.communicated_step = None
+        return loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's optimizer state plus the schedule counters and this rank's identity.
+
+        Per-parameter state includes this rank's error buffers; save one file per rank to keep
+        them (they differ between ranks). Everything is plain tensors, numbers and strings, so it
+        loads with ``torch.load(..., weights_only=True)``.
+        """
+        sd = super().state_dict()
+        sd[_STATE_KEY] = {
+            "optimizer": type(self).__name__,
+            "schedule": dict(self.schedule),
+            "hyperparameters": {name: getattr(self, name) for name in self.schedule_params},
+            "world_size": self.comm.world_size,
+            "rank": self.comm.rank,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; error buffers from another world size or rank are reset."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(_STATE_KEY, None)
+        if extra is None:
+            raise ValueError(
+                f"this state dict was not saved by a hf_zeroone optimizer; {type(self).__name__} "
+                "needs its schedule counters (start a fresh optimizer instead)"
+            )
+        if extra.get("optimizer") != type(self).__name__:
+            raise ValueError(
+                f"state dict was saved by {extra.get('optimizer')}, cannot load it into {type(self).__name__}"
+            )
+        same_rank = extra.get("world_size") == self.comm.world_size and extra.get("rank") == self.comm.rank
+        if not same_rank:
+            warnings.warn(
+                f"{type(self).__name__}: checkpoint saved on rank {extra.get('rank')} of "
+                f"{extra.get('world_size')}, loading on rank {self.comm.rank} of {self.comm.world_size}: "
+                "error-feedback buffers reset to zero (momentum, variance and schedule are kept)",
+                UserWarning,
+                stacklevel=2,
+            )
+            state_dict["state"] = {
+                k: {n: v for n, v in s.items() if n not in ("worker_error", "server_error")}
+                for k, s in state_dict["state"].items()
+            }
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            if "momentum_mask" in state:
+                state["momentum_mask"] = state["momentum_mask"] != 0
+        self.schedule = dict(extra["schedule"])
+        self._flat_cache.clear()
+        self._prepared_step = -1
+        self.communicated_step = None

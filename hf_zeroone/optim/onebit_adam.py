@@ -1,0 +1,107 @@
+"""1-bit Adam (Tang et al., ICML 2021, https://arxiv.org/abs/2102.02888)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from hf_zeroone.comm import Communicator
+from hf_zeroone.optim._base import CompressedAdamBase, StepKind, _check_int
+
+__all__ = ["OneBitAdam"]
+
+
+class OneBitAdam(CompressedAdamBase):
+    r"""1-bit Adam: exact Adam while the variance settles, then 1-bit compressed momentum.
+
+    Warm-up, steps :math:`t < \text{freeze\_step}` (:attr:`StepKind.EXACT`): gradients are
+    averaged in full precision and Adam runs unchanged,
+
+    .. math::
+
+        \bar g_t = \tfrac{1}{P}\textstyle\sum_i g_{i,t}, \quad
+        m_t = \beta_1 m_{t-1} + (1-\beta_1)\bar g_t, \quad
+        v_t = \beta_2 v_{t-1} + (1-\beta_2)\bar g_t^2 .
+
+    Compression, :math:`t \ge \text{freeze\_step}` (:attr:`StepKind.ONEBIT_MOMENTUM`): ``v`` is
+    frozen and each rank sends its local momentum through the error-compensated 1-bit allreduce
+    :math:`\mathcal{C}` (:mod:`hf_zeroone.comm`),
+
+    .. math::
+
+        m_t = \mathcal{C}\big[\beta_1 m_{t-1} + (1-\beta_1) g_{i,t}\big], \qquad
+        p_t = p_{t-1} - \text{lr}_t \Big(\frac{m_t / c_1}{\sqrt{v / c_2} + \epsilon}
+              + \text{wd}\, p_{t-1}\Big),
+
+    with bias corrections :math:`c_1 = 1-\beta_1^t`, :math:`c_2 = 1-\beta_2^{k}` (``k`` =
+    ``freeze_step``, the number of variance updates) when ``bias_correction`` is on. Without
+    bias correction (DeepSpeed's behaviour) a short warm-up leaves ``v`` far below its true value
+    (about 3% of it after 30 steps with :math:`\beta_2 = 0.999`), and the compressed steps are
+    many times too large.
+
+    Hyper-parameter names and defaults follow DeepSpeed's ``OneBitAdam`` so configs carry over.
+
+    Args:
+        params: parameters or parameter groups. A group may carry ``exp_avg_mask``, a tensor
+            broadcastable to its parameters, zero where the momentum is known to stay zero
+            (DeepSpeed's option); combined with ``auto_momentum_mask``.
+        lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
+        freeze_step: number of exact warm-up steps before compression starts.
+        bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
+        communicator: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
+
+    Example::
+
+        opt = OneBitAdam(model.parameters(), lr=1e-4, freeze_step=1000)
+        for batch in loader:
+            loss = model(**batch).loss
+            loss.backward()          # plain model: OneBitAdam communicates in step()
+            opt.step(); opt.zero_grad()
+
+    Wrapped in ``DistributedDataParallel``, register :func:`hf_zeroone.register_zeroone_hook` so
+    communication happens during backward and DDP's own fp32 allreduce is replaced.
+    """
+
+    schedule_params = ("freeze_step",)
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int = 100000,
+        *,
+        bias_correction: bool = True,
+        decoupled_weight_decay: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        auto_momentum_mask: bool = True,
+        communicator: Communicator | None = None,
+        amsgrad: bool = False,
+    ) -> None:
+        if amsgrad:
+            raise ValueError("OneBitAdam does not support amsgrad (the variance is frozen after warm-up)")
+        _check_int("freeze_step", freeze_step, 0)
+        self.freeze_step = freeze_step
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            decoupled_weight_decay=decoupled_weight_decay,
+            process_group=process_group,
+            auto_momentum_mask=auto_momentum_mask,
+            communicator=communicator,
+        )
+
+    def next_step_kind(self) -> StepKind:
+        return StepKind.EXACT if self.schedule["step"] < self.freeze_step else StepKind.ONEBIT_MOMENTUM
+
+    def _advance_schedule(self, kind: StepKind) -> None:
+        pass  # the step counter alone decides

@@ -1,0 +1,174 @@
+"""0/1 Adam (Lu et al., ICLR 2023, https://arxiv.org/abs/2202.06009)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from hf_zeroone.comm import Communicator
+from hf_zeroone.optim._base import CompressedAdamBase, StepKind, _check_int
+
+__all__ = ["ZeroOneAdam"]
+
+
+class ZeroOneAdam(CompressedAdamBase):
+    r"""0/1 Adam: sparse variance updates, 1-bit gradients, then local steps with 1-bit syncs.
+
+    **Phase 1**, steps :math:`t < \text{var\_freeze\_step}`. On the variance steps
+    :math:`t \in T_v` (:attr:`StepKind.EXACT`) gradients are averaged in full precision and both
+    ``m`` and ``v`` are updated. On the others (:attr:`StepKind.ONEBIT_GRADIENT`) gradients go
+    through the error-compensated 1-bit allreduce :math:`\mathcal{C}` and only ``m`` moves:
+
+    .. math::
+
+        \hat g_t = \mathcal{C}[g_{i,t}], \quad m_t = \beta_1 m_{t-1} + (1-\beta_1)\hat g_t, \quad
+        p_t = p_{t-1} - \text{lr}_t \frac{m_t/c_1}{\sqrt{v/c_2}+\epsilon}.
+
+    :math:`T_v`: the gap between variance steps starts at 1 and doubles after every
+    ``var_update_scaler`` variance updates. The first ``exact_warmup_steps`` steps are all
+    variance steps, before :math:`T_v` starts (see below).
+
+    **Phase 2**, :math:`t \ge \text{var\_freeze\_step}`: ``v`` is frozen and ranks take *local*
+    steps (:attr:`StepKind.LOCAL`, nothing sent):
+    :math:`m \leftarrow \beta_1 m + (1-\beta_1) g_{i,t}`,
+    :math:`p \leftarrow p - \text{lr}_t \frac{m/c_1}{\sqrt{v/c_2}+\epsilon}`, and
+    :math:`u \leftarrow u + \text{lr}_t\, m / c_1`. On the steps of :math:`T_u`
+    (:attr:`StepKind.ONEBIT_SYNC`) ranks average ``u`` with :math:`\mathcal{C}`, every replica goes
+    back to the parameters of the last sync :math:`p_s` and applies the average,
+
+    .. math::
+
+        \bar u = \mathcal{C}[u_i], \quad p = \delta\, p_s - \frac{\bar u}{\sqrt{v/c_2}+\epsilon}, \quad
+        m = c_1 \frac{\bar u}{\sum \text{lr}}, \quad u = 0,
+
+    where :math:`\delta` is the product of the decoupled weight-decay factors
+    :math:`1 - \text{lr}_t\,\text{wd}` over the interval. :math:`p_s` is stored (one copy of the
+    parameters) so every replica holds bit-identical parameters after each sync.
+    :math:`T_u`: the gap between syncs starts at 1 and doubles every ``local_step_scaler`` steps,
+    up to ``local_step_clipper``. The error buffers are reset when phase 2 starts (they held
+    gradient errors, and now hold errors of ``u``), as DeepSpeed does.
+
+    Hyper-parameter names and defaults follow DeepSpeed's ``ZeroOneAdam`` so configs carry over.
+
+    Args:
+        params: parameters or parameter groups (a group may carry ``exp_avg_mask``, see
+            :class:`OneBitAdam`).
+        lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
+        var_freeze_step: first step of phase 2 (usually the end of the LR warm-up).
+        var_update_scaler: variance updates between doublings of the variance-step gap
+            (:math:`\kappa` in the paper).
+        local_step_scaler: local-phase steps between doublings of the sync gap.
+        local_step_clipper: largest sync gap (:math:`H` in the paper).
+        exact_warmup_steps: number of first steps that are all exact variance steps. 0/1 Adam
+            sends 1-bit gradients from its second variance gap on; in short fine-tuning or
+            language-model runs that can stall on an early plateau that Adam escapes. Exact
+            communication through the LR warm-up (e.g. the first 10% of steps) fixes it for a few
+            percent more bytes. ``0`` (the default) is the paper's and DeepSpeed's schedule.
+        bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
+        communicator: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
+    """
+
+    schedule_params = (
+        "var_freeze_step",
+        "var_update_scaler",
+        "local_step_scaler",
+        "local_step_clipper",
+        "exact_warmup_steps",
+    )
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        *,
+        exact_warmup_steps: int = 0,
+        bias_correction: bool = True,
+        decoupled_weight_decay: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        auto_momentum_mask: bool = True,
+        communicator: Communicator | None = None,
+        amsgrad: bool = False,
+    ) -> None:
+        if amsgrad:
+            raise ValueError("ZeroOneAdam does not support amsgrad (the variance is updated sparsely)")
+        _check_int("var_freeze_step", var_freeze_step, 0)
+        _check_int("var_update_scaler", var_update_scaler, 1)
+        _check_int("local_step_scaler", local_step_scaler, 1)
+        _check_int("local_step_clipper", local_step_clipper, 1)
+        _check_int("exact_warmup_steps", exact_warmup_steps, 0)
+        self.var_freeze_step = var_freeze_step
+        self.var_update_scaler = var_update_scaler
+        self.local_step_scaler = local_step_scaler
+        self.local_step_clipper = local_step_clipper
+        self.exact_warmup_steps = exact_warmup_steps
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            decoupled_weight_decay=decoupled_weight_decay,
+            process_group=process_group,
+            auto_momentum_mask=auto_momentum_mask,
+            communicator=communicator,
+        )
+
+    def _initial_schedule(self) -> dict[str, Any]:
+        return {
+            "var_interval": 1,
+            "var_updates_at_interval": 0,
+            "steps_since_var_update": 0,
+            "local_step_interval": 1,
+            "local_steps_at_interval": 0,
+            "steps_since_sync": 0,
+            "local_phase_started": False,
+        }
+
+    def next_step_kind(self) -> StepKind:
+        s = self.schedule
+        if s["step"] < self.var_freeze_step:
+            if s["step"] < self.exact_warmup_steps or s["steps_since_var_update"] + 1 >= s["var_interval"]:
+                return StepKind.EXACT
+            return StepKind.ONEBIT_GRADIENT
+        if s["steps_since_sync"] + 1 >= s["local_step_interval"]:
+            return StepKind.ONEBIT_SYNC
+        return StepKind.LOCAL
+
+    def _advance_schedule(self, kind: StepKind) -> None:
+        s = self.schedule
+        if kind is StepKind.EXACT:
+            s["steps_since_var_update"] = 0
+            if s["step"] >= self.exact_warmup_steps:
+                s["var_updates_at_interval"] += 1
+                if s["var_updates_at_interval"] == self.var_update_scaler:
+                    s["var_updates_at_interval"] = 0
+                    s["var_interval"] *= 2
+        elif kind is StepKind.ONEBIT_GRADIENT:
+            s["steps_since_var_update"] += 1
+        else:  # LOCAL or ONEBIT_SYNC
+            s["steps_since_sync"] = 0 if kind is StepKind.ONEBIT_SYNC else s["steps_since_sync"] + 1
+            s["local_steps_at_interval"] += 1
+            if s["local_steps_at_interval"] == self.local_step_scaler:
+                s["local_steps_at_interval"] = 0
+                s["local_step_interval"] = min(self.local_step_clipper, 2 * s["local_step_interval"])
+
+    def schedule_summary(self) -> dict[str, Any]:
+        """Phase, variance-step gap and local-step gap, for logging."""
+        s = self.schedule
+        phase = "variance" if s["step"] < self.var_freeze_step else "local"
+        return {
+            "phase": phase,
+            "var_interval": s["var_interval"],
+            "local_step_interval": s["local_step_interval"],
+        }

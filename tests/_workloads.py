@@ -1,0 +1,64 @@
+"""Small models, data and training loops shared by the multi-process tests (imported in workers)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class MLP(torch.nn.Module):
+    """A small MLP; optionally an embedding whose rows 1.. never get a gradient, and a layer never used."""
+
+    def __init__(self, embedding_rows: int = 0, unused_layer: bool = False) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(16, 64),
+            torch.nn.Tanh(),
+            torch.nn.Linear(64, 33),
+            torch.nn.Tanh(),
+            torch.nn.Linear(33, 1),
+        )
+        self.extra = torch.nn.Embedding(embedding_rows, 1) if embedding_rows else None
+        self.unused = torch.nn.Linear(3, 3) if unused_layer else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(x)
+        if self.extra is not None:
+            out = out + self.extra(torch.zeros(x.shape[0], dtype=torch.long, device=x.device))
+        return out
+
+
+def make_model(seed: int = 0, embedding_rows: int = 0, unused_layer: bool = False) -> MLP:
+    torch.manual_seed(seed)
+    return MLP(embedding_rows, unused_layer)
+
+
+def batches(
+    rank: int, steps: int, batch: int = 64, seed: int = 100
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A learnable regression task; each rank draws its own samples."""
+    g = torch.Generator().manual_seed(seed + rank)
+    w = torch.linspace(-1, 1, 16)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(batch, 16, generator=g)
+        y = torch.sin(x @ w).unsqueeze(1) + 0.5 * x[:, :1] * x[:, 1:2]
+        out.append((x, y))
+    return out
+
+
+def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+def eval_loss(model: torch.nn.Module, world: int, steps: int = 8) -> float:
+    """Loss on held-out data drawn from every rank's distribution."""
+    total = 0.0
+    with torch.no_grad():
+        for r in range(world):
+            for x, y in batches(r, steps, seed=9000):
+                total += loss_fn(model, x, y).item()
+    return total / (world * steps)

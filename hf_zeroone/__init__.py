@@ -1,0 +1,26 @@
+"""hf_zeroone: 1-bit Adam and 0/1 Adam for PyTorch DDP and the Hugging Face stack.
+
+``import hf_zeroone`` imports torch only; the Hugging Face integrations live in
+:mod:`hf_zeroone.integrations` and are imported on first use.
+"""
+
+from hf_zeroone.comm import CommStats, Communicator
+from hf_zeroone.compression import ChunkLayout
+from hf_zeroone.ddp_hook import ZeroOneHookState, register_zeroone_hook, zeroone_hook
+from hf_zeroone.optim import CompressedAdamBase, OneBitAdam, StepKind, ZeroOneAdam
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChunkLayout",
+    "CommStats",
+    "Communicator",
+    "CompressedAdamBase",
+    "OneBitAdam",
+    "StepKind",
+    "ZeroOneAdam",
+    "ZeroOneHookState",
+    "__version__",
+    "register_zeroone_hook",
+    "zeroone_hook",
+]

@@ -1,0 +1,168 @@
+"""DDP communication hook: 1-bit and local-step communication instead of DDP's fp32 allreduce.
+
+``DistributedDataParallel`` calls a communication hook for each gradient bucket as soon as the
+bucket's gradients are ready, while backward goes on for earlier layers. This hook asks the
+optimizer what the coming step needs (:meth:`~hf_zeroone.optim.CompressedAdamBase.prepare_step`)
+and, bucket by bucket:
+
+* ``EXACT``: averages the bucket in full precision (what DDP would have done);
+* ``ONEBIT_GRADIENT`` / ``ONEBIT_MOMENTUM``: writes each parameter's message
+  (:meth:`~hf_zeroone.optim.CompressedAdamBase.write_message`: the gradient or the local
+  momentum) into a flat buffer and starts the error-compensated 1-bit allreduce on it;
+* ``LOCAL`` / ``ONEBIT_SYNC``: sends nothing and hands the local gradient back. A sync step
+  needs this step's gradient *after* clipping, so the optimizer sends ``u`` in ``step()``.
+
+DDP writes the combined values into ``p.grad``; the optimizer's ``step()`` sees that the hook has
+communicated for this step and applies them without communicating again. Compressed
+communication thus overlaps with backward, where DeepSpeed does it all after backward.
+
+What ``p.grad`` holds after backward, by step kind, which is what gradient clipping acts on (the
+Trainer clips between backward and ``step()``):
+
+* ``EXACT``: the averaged gradient, as with plain DDP;
+* ``ONEBIT_GRADIENT``: the 1-bit averaged gradient, identical on every rank;
+* ``ONEBIT_MOMENTUM``: the averaged gradient implied by the combined momentum
+  (:meth:`~hf_zeroone.optim.CompressedAdamBase.implied_gradient`), identical on every rank;
+* ``LOCAL`` and ``ONEBIT_SYNC``: the local gradient; clipping uses the local norm (the update
+  is local until the sync, which averages what the clipped local steps accumulated).
+
+With fp16 gradients a GradScaler skips the step when it finds inf/NaN, and every rank must skip
+together. Steps that communicate in backward already agree (a non-finite value on one rank reaches
+all ranks). On ``LOCAL`` and ``ONEBIT_SYNC`` steps the hook can add one 4-byte allreduce per bucket so that an
+overflow on one rank is seen by all (``ZeroOneHookState.overflow_check_on_local_steps``: set it
+with a GradScaler; automatic for fp16 buckets; off otherwise, and local steps send nothing).
+
+DDP builds its buckets anew after the first iteration; the optimizer's flat buffers follow any
+bucket layout (each parameter keeps its own error state), so compression may start at any step.
+
+Usage::
+
+    ddp_model = DistributedDataParallel(model)
+    optimizer = ZeroOneAdam(ddp_model.parameters(), lr=1e-4, var_freeze_step=1000)
+    register_zeroone_hook(ddp_model, optimizer)
+"""
+
+# No ``from __future__ import annotations`` here: DDP checks the hook's annotations at runtime.
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from hf_zeroone.optim import CompressedAdamBase, StepKind
+
+__all__ = ["ZeroOneHookState", "register_zeroone_hook", "zeroone_hook"]
+
+
+@dataclass
+class ZeroOneHookState:
+    """State of :func:`zeroone_hook`: the optimizer whose schedule drives communication.
+
+    Attributes:
+        optimizer: a :class:`~hf_zeroone.optim.CompressedAdamBase` (``OneBitAdam``,
+            ``ZeroOneAdam``); its communicator carries all traffic and counts it.
+        overflow_check_on_local_steps: on ``LOCAL`` steps, agree across ranks on whether any
+            gradient is non-finite (one tiny allreduce per bucket) so a GradScaler skips the step
+            on every rank. ``None`` (default): only for fp16 buckets.
+        buckets_seen: number of bucket calls (for tests and diagnostics).
+    """
+
+    optimizer: CompressedAdamBase
+    overflow_check_on_local_steps: bool | None = None
+    buckets_seen: int = field(default=0)
+
+    def __setstate__(self, state: dict) -> None:  # DDP may pickle hook state; keep it plain
+        self.__dict__.update(state)
+
+
+def _done(value: Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Communicate one DDP gradient bucket as the optimizer's schedule requires this step."""
+    opt = state.optimizer
+    state.buckets_seen += 1
+    kind = opt.prepare_step()
+    opt.communicated_step = opt.schedule["step"]
+    buffer = bucket.buffer()
+    if not kind.communicates_in_backward:
+        check = state.overflow_check_on_local_steps
+        if check or (check is None and buffer.dtype == torch.float16):
+            return _agree_on_overflow(opt, buffer)
+        return _done(buffer)
+    if kind is StepKind.EXACT:
+        return opt.comm.allreduce_mean_async(buffer)
+    params, grads = bucket.parameters(), bucket.gradients()
+    flat = opt.flat_buffers(params)
+    message, n = flat.message, flat.layout.numel
+    message[n:].zero_()
+    for p, g, view in zip(params, grads, flat.views(message)):
+        opt.write_message(opt.group_of(p), p, g, kind, view)
+    fut = opt.comm.compressed_allreduce_async(message, flat.worker_error, flat.server_error, flat.layout)
+    dtype = buffer.dtype
+
+    # The callbacks only compute on tensors: no collective is ever issued inside a callback.
+    if kind is StepKind.ONEBIT_MOMENTUM:
+
+        def to_gradient(f: torch.futures.Future) -> Tensor:
+            combined = f.value()
+            for p, view in zip(params, flat.views(combined)):
+                opt.implied_gradient(opt.group_of(p), p, view)
+            return combined[:n].to(dtype)
+
+        return fut.then(to_gradient)
+    return fut.then(lambda f: f.value()[:n].to(dtype))
+
+
+def _agree_on_overflow(opt: CompressedAdamBase, buffer: Tensor) -> torch.futures.Future:
+    """Make a non-finite gradient on any rank visible on all (local steps, fp16)."""
+    flag = (~torch.isfinite(buffer)).any().to(torch.float32).reshape(1)
+    fut = opt.comm.allreduce_mean_async(flag)
+
+    def mark(f: torch.futures.Future) -> Tensor:
+        if f.value().item() > 0:
+            buffer.fill_(float("inf"))
+        return buffer
+
+    return fut.then(mark)
+
+
+def register_zeroone_hook(
+    ddp_model: DistributedDataParallel, optimizer: CompressedAdamBase
+) -> ZeroOneHookState:
+    """Register :func:`zeroone_hook` on ``ddp_model`` for ``optimizer``; returns the hook state.
+
+    Checks, before any training step, that the optimizer manages exactly the model's trainable
+    parameters and communicates over a group of the same size as DDP's.
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            "register_zeroone_hook needs a torch DistributedDataParallel model, "
+            f"got {type(ddp_model).__name__}"
+        )
+    if not isinstance(optimizer, CompressedAdamBase):
+        raise TypeError(
+            f"register_zeroone_hook needs a hf_zeroone optimizer (OneBitAdam, ZeroOneAdam), "
+            f"got {type(optimizer).__name__}"
+        )
+    model_params = {id(p) for p in ddp_model.parameters() if p.requires_grad}
+    opt_params = {id(p) for _, p in optimizer.trainable_params()}
+    if model_params != opt_params:
+        raise ValueError(
+            f"the optimizer manages {len(opt_params)} trainable parameters and the DDP model has "
+            f"{len(model_params)} ({len(model_params - opt_params)} of the model's are missing from the "
+            "optimizer); build the optimizer from ddp_model.parameters() (or the same parameter groups)"
+        )
+    ddp_world = dist.get_world_size(ddp_model.process_group)
+    if ddp_world != optimizer.comm.world_size:
+        raise ValueError(
+            f"DDP runs on {ddp_world} ranks but the optimizer communicates over {optimizer.comm.world_size}; "
+            "pass the DDP process group to the optimizer (process_group=...)"
+        )
+    state = ZeroOneHookState(optimizer)
+    ddp_model.register_comm_hook(state, zeroone_hook)
+    return state

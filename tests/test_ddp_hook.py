@@ -1,0 +1,246 @@
+"""The DDP communication hook on 2 gloo ranks."""
+
+import pytest
+import torch
+
+from _dist import run_ranks
+
+
+def _opt(name, params, **kw):
+    from hf_zeroone import OneBitAdam, ZeroOneAdam
+
+    if name == "onebit":
+        return OneBitAdam(params, lr=1e-2, weight_decay=0.01, freeze_step=kw.pop("freeze_step", 3), **kw)
+    return ZeroOneAdam(
+        params,
+        lr=1e-2,
+        weight_decay=0.01,
+        var_freeze_step=kw.pop("var_freeze_step", 12),
+        var_update_scaler=2,
+        local_step_scaler=3,
+        local_step_clipper=4,
+        **kw,
+    )
+
+
+def _equivalence(rank, world):
+    """Single bucket: hook path == optimizer path, bit for bit; exact phase == DDP without hook."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone.ddp_hook import register_zeroone_hook
+
+    from _workloads import batches, flat_params, loss_fn, make_model
+
+    out = {}
+    data = batches(rank, 30)
+    for name in ("onebit", "zeroone"):
+        ma = make_model()
+        ddp = DDP(ma, bucket_cap_mb=100)
+        # DDP's single bucket holds the parameters in reverse order: give the optimizer path the same.
+        oa = _opt(name, list(ddp.parameters())[::-1])
+        register_zeroone_hook(ddp, oa)
+        mb = make_model()
+        ob = _opt(name, list(mb.parameters())[::-1])
+        diffs, kinds, stats = [], [], []
+        for x, y in data:
+            oa.zero_grad()
+            loss_fn(ddp, x, y).backward()
+            oa.step()
+            ob.zero_grad()
+            loss_fn(mb, x, y).backward()
+            ob.step()
+            diffs.append(bool(torch.equal(flat_params(ma), flat_params(mb))))
+            kinds.append(oa.last_step_kind.value)
+            stats.append(oa.last_step_stats.as_dict())
+        out[name] = {
+            "equal": diffs,
+            "kinds": kinds,
+            "stats": stats,
+            "numel": sum(p.numel() for p in ma.parameters()),
+        }
+
+    # Exact phase: gradients after the hook equal those of DDP without a hook.
+    m1, m2 = make_model(), make_model()
+    d1, d2 = DDP(m1), DDP(m2)
+    register_zeroone_hook(d1, _opt("onebit", d1.parameters(), freeze_step=100))
+    x, y = data[0]
+    loss_fn(d1, x, y).backward()
+    loss_fn(d2, x, y).backward()
+    out["grad_max_diff"] = max(
+        (a.grad - b.grad).abs().max().item() for a, b in zip(m1.parameters(), m2.parameters())
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def equivalence():
+    return run_ranks(_equivalence, 2, timeout=200)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["onebit", "zeroone"])
+def test_hook_path_equals_optimizer_path_bit_for_bit(equivalence, name):
+    res = equivalence[0][name]
+    assert all(res["equal"]), res["equal"]
+    assert {"exact", "onebit_momentum"} <= set(res["kinds"]) or {
+        "onebit_gradient",
+        "local",
+        "onebit_sync",
+    } <= set(res["kinds"])
+
+
+@pytest.mark.slow
+def test_exact_phase_gradients_equal_plain_ddp(equivalence):
+    for r in equivalence:
+        assert r["grad_max_diff"] < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["onebit", "zeroone"])
+def test_per_step_bytes_follow_the_schedule(equivalence, name):
+    from hf_zeroone.comm import fp32_allreduce_bytes
+    from hf_zeroone.compression import padded_length
+
+    res = equivalence[0][name]
+    n = res["numel"]
+    for kind, stats in zip(res["kinds"], res["stats"]):
+        if kind == "local":
+            assert stats["bytes_sent"] == 0 and stats["collectives"] == 0
+        elif kind == "exact":
+            assert stats["bytes_sent"] == fp32_allreduce_bytes(n, 2) and stats["collectives"] == 1
+        else:  # one bucket: signs of the padded vector + one scale per segment, both stages
+            signs = 2 * (2 - 1) * padded_length(n, 2) // 2 // 8
+            assert stats["collectives"] == 2
+            assert signs < stats["bytes_sent"] <= signs + 2 * 4 * (6 + 2)  # <= 6 tensors + 2 chunk starts
+            assert stats["fp32_equivalent_bytes"] / stats["bytes_sent"] > 20
+
+
+def _ddp_variants(rank, world, variant):
+    """Train with the hook under one DDP configuration; snapshot parameters after syncing steps."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone.ddp_hook import register_zeroone_hook
+
+    from _workloads import batches, flat_params, loss_fn, make_model
+
+    out = {}
+    for name in ("onebit", "zeroone"):
+        model = make_model(embedding_rows=4, unused_layer=variant == "find_unused")
+        if variant == "bf16":
+            model = model.to(torch.bfloat16)
+        kwargs = dict(bucket_cap_mb=0.004)
+        if variant == "static_graph":
+            kwargs["static_graph"] = True
+        if variant == "find_unused":
+            kwargs["find_unused_parameters"] = True
+        if variant == "bucket_view":
+            kwargs["gradient_as_bucket_view"] = True
+        ddp = DDP(model, **kwargs)
+        # "first_iteration": compress from iteration 0, before DDP rebuilds its buckets.
+        first = 0 if variant == "first_iteration" else 2
+        opt = _opt(
+            name, ddp.parameters(), **({"freeze_step": first} if name == "onebit" else {"var_freeze_step": 8})
+        )
+        register_zeroone_hook(ddp, opt)
+        snaps, losses = [], []
+        for x, y in batches(rank, 24):
+            if variant == "bf16":
+                x, y = x.bfloat16(), y.bfloat16()
+            opt.zero_grad()
+            if variant == "no_sync":
+                half = x.shape[0] // 2
+                with ddp.no_sync():
+                    (loss_fn(ddp, x[:half], y[:half]) / 2).backward()
+                loss = loss_fn(ddp, x[half:], y[half:]) / 2
+            else:
+                loss = loss_fn(ddp, x, y)
+            loss.backward()
+            if variant == "clip":
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
+            opt.step()
+            losses.append(float(loss))
+            if opt.last_step_kind.communicates:
+                snaps.append(flat_params(model))
+        out[name] = {"snaps": torch.stack(snaps), "losses": losses}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "several_buckets",
+        "first_iteration",
+        "no_sync",
+        "static_graph",
+        "find_unused",
+        "bucket_view",
+        "bf16",
+        "clip",
+    ],
+)
+def test_replicas_identical_under_ddp_options(variant):
+    res = run_ranks(_ddp_variants, 2, variant, timeout=200)
+    for name in ("onebit", "zeroone"):
+        a, b = res[0][name], res[1][name]
+        assert torch.equal(a["snaps"], b["snaps"]), (variant, name)
+        assert all(torch.isfinite(torch.tensor(a["losses"])))
+        if not (variant == "first_iteration" and name == "onebit"):  # no warm-up: v = 0, not a training setup
+            assert sum(a["losses"][-8:]) < sum(a["losses"][:8]), (variant, name, a["losses"])
+
+
+def _overflow(rank, world, name):
+    """Autocast fp16 + GradScaler; rank 1 gets an inf gradient at chosen steps."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone.ddp_hook import register_zeroone_hook
+
+    from _workloads import batches, flat_params, loss_fn, make_model
+
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    opt = _opt(name, ddp.parameters(), **({"freeze_step": 2} if name == "onebit" else {"var_freeze_step": 6}))
+    state = register_zeroone_hook(ddp, opt)
+    state.overflow_check_on_local_steps = True
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    bad_steps = {1, 4, 8, 9, 10}
+    record = []
+    for i, (x, y) in enumerate(batches(rank, 16)):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(ddp, x, y)
+        scaled = scaler.scale(loss)
+        if rank == 1 and i in bad_steps:
+            scaled = scaled * float("inf")
+        kind = opt.next_step_kind().value
+        scaled.backward()
+        step_before = opt.schedule["step"]
+        scaler.step(opt)
+        scaler.update()
+        errors_finite = all(
+            bool(torch.isfinite(s[k]).all())
+            for s in opt.state.values()
+            for k in ("worker_error", "server_error")
+            if k in s
+        )
+        record.append((i, kind, opt.schedule["step"] - step_before, errors_finite, flat_params(model)))
+    return record
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["onebit", "zeroone"])
+def test_overflow_on_one_rank_makes_every_rank_skip(name):
+    res = run_ranks(_overflow, 2, name, timeout=200)
+    kinds_seen = set()
+    for (i, kind, adv0, fin0, p0), (_, _, adv1, fin1, p1) in zip(res[0], res[1]):
+        kinds_seen.add(kind)
+        assert adv0 == adv1, (i, kind)  # both stepped or both skipped
+        assert fin0 and fin1
+        assert torch.equal(p0, p1) or kind == "local"
+    skipped = [i for i, kind, adv, *_ in res[0] if adv == 0]
+    assert {1, 4} <= set(skipped)
+    assert torch.isfinite(res[0][-1][4]).all()
+    assert len(skipped) < len(res[0])  # training went on

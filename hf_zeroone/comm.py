@@ -98,9 +98,7 @@ class _SerialExecutor:
     """Runs submitted jobs one at a time, in order, on a daemon thread; results come as futures."""
 
     def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future] | None] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -271,9 +269,7 @@ class Communicator:
         self, buffer: Tensor, worker_error: Tensor, server_error: Tensor, layout: ChunkLayout
     ) -> None:
         if layout.world_size != self.world_size:
-            raise ValueError(
-                f"layout was built for world_size={layout.world_size}, the group has {self.world_size}"
-            )
+            raise ValueError(f"layout was built for world_size={layout.world_size}, the group has {self.world_size}")
         for name, t, n in (
             ("buffer", buffer, layout.padded),
             ("worker_error", worker_error, layout.padded),

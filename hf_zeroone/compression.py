@@ -190,9 +190,7 @@ class ChunkLayout:
         if padded == 0:
             empty = torch.zeros(0, dtype=torch.int64, device=device)
             return cls(numel, world_size, 0, 1, empty, torch.zeros(world_size, device=device), mask, True)
-        starts = sorted(
-            {int(o) for o in segment_starts if 0 < o < numel} | {k * chunk for k in range(world_size)}
-        )
+        starts = sorted({int(o) for o in segment_starts if 0 < o < numel} | {k * chunk for k in range(world_size)})
         chunk_of = [o // chunk for o in starts]
         per_chunk = [0] * world_size
         for k in chunk_of:

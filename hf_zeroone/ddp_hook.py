@@ -131,9 +131,7 @@ def _agree_on_overflow(opt: CompressedAdamBase, buffer: Tensor) -> torch.futures
     return fut.then(mark)
 
 
-def register_zeroone_hook(
-    ddp_model: DistributedDataParallel, optimizer: CompressedAdamBase
-) -> ZeroOneHookState:
+def register_zeroone_hook(ddp_model: DistributedDataParallel, optimizer: CompressedAdamBase) -> ZeroOneHookState:
     """Register :func:`zeroone_hook` on ``ddp_model`` for ``optimizer``; returns the hook state.
 
     Checks, before any training step, that the optimizer manages exactly the model's trainable
@@ -141,8 +139,7 @@ def register_zeroone_hook(
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
-            "register_zeroone_hook needs a torch DistributedDataParallel model, "
-            f"got {type(ddp_model).__name__}"
+            f"register_zeroone_hook needs a torch DistributedDataParallel model, got {type(ddp_model).__name__}"
         )
     if not isinstance(optimizer, CompressedAdamBase):
         raise TypeError(

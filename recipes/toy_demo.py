@@ -43,9 +43,7 @@ def batch(gen: torch.Generator, size: int = 64) -> tuple[torch.Tensor, torch.Ten
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -100,9 +98,7 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         held = torch.Generator().manual_seed(424242)
         with torch.no_grad():
-            eval_loss = (
-                sum(((model(x) - y) ** 2).mean().item() for x, y in (batch(held) for _ in range(20))) / 20
-            )
+            eval_loss = sum(((model(x) - y) ** 2).mean().item() for x, y in (batch(held) for _ in range(20))) / 20
         numel = sum(p.numel() for p in model.parameters())
         fp32 = fp32_allreduce_bytes(numel, world) * args.steps
         if hooked:

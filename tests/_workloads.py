@@ -32,9 +32,7 @@ def make_model(seed: int = 0, embedding_rows: int = 0, unused_layer: bool = Fals
     return MLP(embedding_rows, unused_layer)
 
 
-def batches(
-    rank: int, steps: int, batch: int = 64, seed: int = 100
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(rank: int, steps: int, batch: int = 64, seed: int = 100) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A learnable regression task; each rank draws its own samples."""
     g = torch.Generator().manual_seed(seed + rank)
     w = torch.linspace(-1, 1, 16)

@@ -77,11 +77,7 @@ def _comm_checks(rank, world, sizes):
         layout = ChunkLayout.from_mask(n, world)
         buf = torch.zeros(layout.padded)
         buf[:n] = torch.randn(n, generator=g)
-        futs.append(
-            comm.compressed_allreduce_async(
-                buf, torch.zeros(layout.padded), torch.zeros(layout.chunk), layout
-            )
-        )
+        futs.append(comm.compressed_allreduce_async(buf, torch.zeros(layout.padded), torch.zeros(layout.chunk), layout))
     exact = comm.allreduce_mean_async(torch.full((10,), float(rank)))
     out["inflight"] = [f.wait() for f in futs]
     out["exact_mean"] = exact.wait()
@@ -192,9 +188,7 @@ def test_bad_buffers_raise_clear_errors():
     with pytest.raises(ValueError, match="worker_error must be a contiguous float32 tensor of 16"):
         comm.compressed_allreduce(torch.zeros(16), torch.zeros(10), torch.zeros(16), layout)
     with pytest.raises(ValueError, match="world_size=2"):
-        comm.compressed_allreduce(
-            torch.zeros(16), torch.zeros(16), torch.zeros(8), ChunkLayout.from_mask(10, 2)
-        )
+        comm.compressed_allreduce(torch.zeros(16), torch.zeros(16), torch.zeros(8), ChunkLayout.from_mask(10, 2))
 
 
 def test_stats_arithmetic():

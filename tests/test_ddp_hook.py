@@ -67,9 +67,7 @@ def _equivalence(rank, world):
     x, y = data[0]
     loss_fn(d1, x, y).backward()
     loss_fn(d2, x, y).backward()
-    out["grad_max_diff"] = max(
-        (a.grad - b.grad).abs().max().item() for a, b in zip(m1.parameters(), m2.parameters())
-    )
+    out["grad_max_diff"] = max((a.grad - b.grad).abs().max().item() for a, b in zip(m1.parameters(), m2.parameters()))
     return out
 
 
@@ -140,9 +138,7 @@ def _ddp_variants(rank, world, variant):
         ddp = DDP(model, **kwargs)
         # "first_iteration": compress from iteration 0, before DDP rebuilds its buckets.
         first = 0 if variant == "first_iteration" else 2
-        opt = _opt(
-            name, ddp.parameters(), **({"freeze_step": first} if name == "onebit" else {"var_freeze_step": 8})
-        )
+        opt = _opt(name, ddp.parameters(), **({"freeze_step": first} if name == "onebit" else {"var_freeze_step": 8}))
         register_zeroone_hook(ddp, opt)
         snaps, losses = [], []
         for x, y in batches(rank, 24):

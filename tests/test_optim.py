@@ -47,12 +47,8 @@ def test_warmup_is_exactly_torch_adam(decoupled):
     ref_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     _train(ref_model, ref_cls(ref_model.parameters(), lr=1e-2, weight_decay=0.05), batches)
     for make in (
-        lambda p: OneBitAdam(
-            p, lr=1e-2, weight_decay=0.05, freeze_step=100, decoupled_weight_decay=decoupled
-        ),
-        lambda p: ZeroOneAdam(
-            p, lr=1e-2, weight_decay=0.05, var_update_scaler=100, decoupled_weight_decay=decoupled
-        ),
+        lambda p: OneBitAdam(p, lr=1e-2, weight_decay=0.05, freeze_step=100, decoupled_weight_decay=decoupled),
+        lambda p: ZeroOneAdam(p, lr=1e-2, weight_decay=0.05, var_update_scaler=100, decoupled_weight_decay=decoupled),
     ):
         model = _model()
         opt = make(model.parameters())

@@ -195,6 +195,7 @@ class CompressedAdamBase(Optimizer):
         #: bytes and collectives of the last completed step, and its kind
         self.last_step_stats = CommStats()
         self.last_step_kind: StepKind | None = None
+        self._warned_step_path = False
         for group in self.param_groups:
             self._check_group(group)
 
@@ -223,8 +224,7 @@ class CompressedAdamBase(Optimizer):
                 raise ValueError(f"{type(self).__name__} does not support sparse parameters")
             if p.is_complex():
                 raise ValueError(
-                    f"{type(self).__name__} does not support complex parameters; "
-                    "use torch.view_as_real on them"
+                    f"{type(self).__name__} does not support complex parameters; use torch.view_as_real on them"
                 )
         mask = group.get("exp_avg_mask")
         if mask is not None and not isinstance(mask, Tensor):
@@ -270,9 +270,7 @@ class CompressedAdamBase(Optimizer):
             return grad.add(p, alpha=wd)
         return grad
 
-    def write_message(
-        self, group: dict[str, Any], p: Tensor, grad: Tensor | None, kind: StepKind, out: Tensor
-    ) -> None:
+    def write_message(self, group: dict[str, Any], p: Tensor, grad: Tensor | None, kind: StepKind, out: Tensor) -> None:
         """Write what this rank sends for ``p`` in a ``kind`` step into ``out`` (fp32, shaped like p).
 
         Reads the optimizer state and never changes it: a step that is later skipped (non-finite
@@ -357,9 +355,7 @@ class CompressedAdamBase(Optimizer):
             self._init_state(p)
         if kind.compressed and not self.schedule["masks_ready"]:
             self._build_momentum_masks()
-        if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC) and not self.schedule.get(
-            "local_phase_started", True
-        ):
+        if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC) and not self.schedule.get("local_phase_started", True):
             self._start_local_phase()
         self._prepared_step = self.schedule["step"]
         self._stats_at_step_start = self.comm.stats.copy()
@@ -406,8 +402,7 @@ class CompressedAdamBase(Optimizer):
         key = tuple(id(p) for p in params)
         entry = self._flat_cache.get(key)
         if entry is not None and all(
-            self.state[p].get("worker_error") is view
-            for p, view in zip(entry.params, entry.worker_error_views)
+            self.state[p].get("worker_error") is view for p, view in zip(entry.params, entry.worker_error_views)
         ):
             return entry
         device = params[0].device
@@ -431,9 +426,7 @@ class CompressedAdamBase(Optimizer):
                     for m, p in zip(masks, params)
                 ]
             )
-        layout = ChunkLayout.from_mask(
-            total, self.comm.world_size, element_mask, device, segment_starts=offsets
-        )
+        layout = ChunkLayout.from_mask(total, self.comm.world_size, element_mask, device, segment_starts=offsets)
         worker = torch.zeros(layout.padded, dtype=torch.float32, device=device)
         server = torch.zeros(layout.padded, dtype=torch.float32, device=device)
         for p, o in zip(params, offsets):
@@ -481,9 +474,7 @@ class CompressedAdamBase(Optimizer):
             message, views = flat.message, flat.views
             message.zero_()
         else:
-            message = torch.empty(
-                sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device
-            )
+            message = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
             offsets = [0]
             for p in params[:-1]:
                 offsets.append(offsets[-1] + p.numel())
@@ -494,9 +485,7 @@ class CompressedAdamBase(Optimizer):
         for (group, p), view in zip(pairs, views(message)):
             self.write_message(group, p, p.grad, kind, view)
         if kind.compressed:
-            combined = self.comm.compressed_allreduce(
-                message, flat.worker_error, flat.server_error, flat.layout
-            )
+            combined = self.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout)
         else:
             combined = self.comm.allreduce_mean(message)
         results = [(group, p, view) for (group, p), view in zip(pairs, views(combined))]
@@ -515,6 +504,17 @@ class CompressedAdamBase(Optimizer):
         kind = self.prepare_step()
         hook_done = self.communicated_step == self.schedule["step"]
         if kind.communicates_in_backward and not hook_done:
+            if self.comm.is_distributed and not self._warned_step_path:
+                self._warned_step_path = True
+                warnings.warn(
+                    f"{type(self).__name__} communicates in step() because no hf_zeroone DDP hook ran this "
+                    "step. That is right without DDP; but if the model is wrapped in DistributedDataParallel "
+                    "(e.g. by transformers.Trainer), DDP already averaged the gradients in fp32 and no "
+                    "bandwidth is saved: use hf_zeroone.ZeroOneTrainer, "
+                    "hf_zeroone.integrations.prepare_zeroone or hf_zeroone.register_zeroone_hook.",
+                    UserWarning,
+                    stacklevel=2,
+                )
             updates = self._exchange(kind)
         else:  # the hook's results, or local gradients
             updates = [(g, p, p.grad) for g, p in self.trainable_params() if p.grad is not None]

@@ -11,6 +11,17 @@ from hf_zeroone.optim import CompressedAdamBase, OneBitAdam, StepKind, ZeroOneAd
 
 __version__ = "0.1.0"
 
+_LAZY = {"ZeroOneTrainer", "ZeroOneTrainingArguments", "prepare_zeroone"}
+
+
+def __getattr__(name: str):  # the HF integrations import transformers: load them on first use
+    if name in _LAZY:
+        from hf_zeroone import integrations
+
+        return getattr(integrations, name)
+    raise AttributeError(f"module 'hf_zeroone' has no attribute {name!r}")
+
+
 __all__ = [
     "ChunkLayout",
     "CommStats",
@@ -20,7 +31,10 @@ __all__ = [
     "StepKind",
     "ZeroOneAdam",
     "ZeroOneHookState",
+    "ZeroOneTrainer",
+    "ZeroOneTrainingArguments",
     "__version__",
+    "prepare_zeroone",
     "register_zeroone_hook",
     "zeroone_hook",
 ]

@@ -34,6 +34,15 @@ def _worker(fn, rank, world_size, port, args, results, stderr_path, collective_t
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # The variables torchrun sets, so Trainer / Accelerate see the same distributed setup.
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
         dist.init_process_group(
             "gloo",

@@ -1,0 +1,78 @@
+"""Accelerate plugin: the compressed optimizer and DDP hook in a custom ``accelerate launch`` script.
+
+Two added lines in a usual Accelerate training script::
+
+    from hf_zeroone import ZeroOneAdam
+    from hf_zeroone.integrations import prepare_zeroone
+
+    accelerator = Accelerator()
+    optimizer = ZeroOneAdam(model.parameters(), lr=1e-4, var_freeze_step=1000)      # 1
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    hook_state = prepare_zeroone(accelerator, model, optimizer)                     # 2
+    ...
+    accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
+
+``prepare_zeroone`` registers :func:`hf_zeroone.ddp_hook.zeroone_hook` on the model Accelerate
+wrapped in ``DistributedDataParallel``. (Accelerate matches ``kwargs_handlers`` by exact class,
+so a ``DistributedDataParallelKwargs`` subclass cannot carry a custom hook; registering on the
+prepared model is the supported way.) It refuses setups where a DDP hook cannot work: FSDP,
+DeepSpeed, Megatron, and a multi-process launch that did not form one process group.
+
+CPU launch that works (two processes)::
+
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 train.py
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from hf_zeroone.ddp_hook import ZeroOneHookState, register_zeroone_hook
+from hf_zeroone.integrations.launch import CPU_LAUNCH_HELP, check_distributed_launch
+from hf_zeroone.integrations.stats import unwrap_optimizer
+from hf_zeroone.optim import CompressedAdamBase
+
+_UNSUPPORTED = {
+    "FSDP": "FSDP shards gradients with reduce-scatter; there is no DDP allreduce to replace",
+    "DEEPSPEED": "DeepSpeed's engine does its own communication; use DeepSpeed's OneBitAdam/ZeroOneAdam there",
+    "MEGATRON_LM": "Megatron-LM does its own gradient reduction",
+    "XLA": "XLA devices are not supported by the hf_zeroone hook",
+}
+
+
+def prepare_zeroone(accelerator: Any, model: Any, optimizer: Any) -> ZeroOneHookState | None:
+    """Install the hf_zeroone communication hook on an Accelerate-prepared DDP model.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator``.
+        model: the model returned by ``accelerator.prepare`` (DDP-wrapped when distributed).
+        optimizer: the prepared optimizer (an ``AcceleratedOptimizer`` around a hf_zeroone one).
+
+    Returns:
+        The hook state, or ``None`` in a single process (nothing to communicate).
+
+    Raises:
+        ValueError: FSDP / DeepSpeed / Megatron setups, or an optimizer that is not hf_zeroone's.
+        RuntimeError: several processes that did not form one data-parallel group.
+    """
+    dtype = getattr(getattr(accelerator, "distributed_type", None), "name", str(accelerator.distributed_type))
+    if dtype in _UNSUPPORTED:
+        raise ValueError(f"prepare_zeroone: {_UNSUPPORTED[dtype]} (distributed_type={dtype}); use DDP instead")
+    opt = unwrap_optimizer(optimizer)
+    if not isinstance(opt, CompressedAdamBase):
+        raise ValueError(
+            f"prepare_zeroone needs a hf_zeroone optimizer (OneBitAdam, ZeroOneAdam), got {type(opt).__name__}"
+        )
+    world = check_distributed_launch("prepare_zeroone")
+    if accelerator.num_processes == 1 and world == 1:
+        return None
+    if not isinstance(model, DistributedDataParallel):
+        raise ValueError(
+            f"prepare_zeroone: expected the model returned by accelerator.prepare to be "
+            f"DistributedDataParallel, got {type(model).__name__} (distributed_type={dtype}).\n" + CPU_LAUNCH_HELP
+        )
+    state = register_zeroone_hook(model, opt)
+    state.overflow_check_on_local_steps = accelerator.mixed_precision == "fp16"
+    return state

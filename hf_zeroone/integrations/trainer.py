@@ -1,0 +1,162 @@
+"""``ZeroOneTrainer``: a ``transformers.Trainer`` that trains with 1-bit / 0/1 Adam and the DDP hook."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from transformers import Trainer, TrainerCallback
+
+from hf_zeroone.comm import CommStats
+from hf_zeroone.ddp_hook import ZeroOneHookState, register_zeroone_hook
+from hf_zeroone.integrations.launch import check_distributed_launch
+from hf_zeroone.integrations.stats import comm_log_entries, unwrap_optimizer
+from hf_zeroone.integrations.training_args import ZeroOneTrainingArguments
+from hf_zeroone.optim import CompressedAdamBase, OneBitAdam, ZeroOneAdam
+
+logger = logging.getLogger(__name__)
+
+#: per-rank optimizer state file in a checkpoint folder (error buffers differ between ranks)
+RANK_OPTIMIZER_NAME = "hf_zeroone_optimizer_rank{rank}.pt"
+_SCHEDULER_NAME = "scheduler.pt"
+
+
+class CommStatsCallback(TrainerCallback):
+    """Registers the hf_zeroone DDP hook when training starts (the model is DDP-wrapped by then)."""
+
+    def __init__(self, trainer: ZeroOneTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - Trainer's signature
+        self.trainer._install_hook()
+        return control
+
+
+class ZeroOneTrainer(Trainer):
+    """A :class:`transformers.Trainer` that trains with 1-bit Adam or 0/1 Adam.
+
+    * With :class:`~hf_zeroone.integrations.ZeroOneTrainingArguments`, the optimizer named by
+      ``optim_compression`` is built with Hugging Face's weight-decay grouping and LR scheduler.
+    * A user-built optimizer, ``ZeroOneTrainer(..., optimizers=(ZeroOneAdam(...), scheduler))``,
+      is used as given.
+    * Either way, when the model runs under DDP the hf_zeroone communication hook replaces DDP's
+      fp32 gradient allreduce, and communication statistics go to the logs
+      (:class:`CommStatsCallback`).
+    * Checkpoints keep each rank's optimizer state (error buffers differ between ranks) in
+      ``hf_zeroone_optimizer_rank{r}.pt`` beside the usual ``optimizer.pt``; resuming on the same
+      world size continues exactly, on another world size the error buffers are reset with a
+      warning.
+
+    With plain ``TrainingArguments`` it behaves like ``Trainer`` except for the hook and logs.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        check_distributed_launch("ZeroOneTrainer")
+        if self.args.world_size == 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            raise RuntimeError(
+                "ZeroOneTrainer: several processes were launched but the Trainer is not distributed; "
+                "on a machine without GPUs pass use_cpu=True (--use_cpu) so Trainer uses DDP over gloo."
+            )
+        self._hook_state: ZeroOneHookState | None = None
+        self._stats_at_last_log = CommStats()
+        self.add_callback(CommStatsCallback(self))
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Add communication statistics (:func:`~hf_zeroone.integrations.stats.comm_log_entries`).
+
+        Numbers only, so ``log_history`` and every ``report_to`` backend get them.
+        """
+        opt = unwrap_optimizer(self.optimizer)
+        if isinstance(opt, CompressedAdamBase) and getattr(self.args, "log_comm_stats", True) and "loss" in logs:
+            logs.update(comm_log_entries(opt, self._stats_at_last_log, self._hook_state is not None))
+            self._stats_at_last_log = opt.comm_stats.copy()
+        super().log(logs, *args, **kwargs)
+
+    # ------------------------------------------------------------------ optimizer
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        args = self.args
+        choice = getattr(args, "optim_compression", "adamw_torch")
+        if self.optimizer is not None or choice == "adamw_torch":
+            return super().create_optimizer(model) if model is not None else super().create_optimizer()
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        groups = [
+            {
+                "params": [p for n, p in opt_model.named_parameters() if n in decay and p.requires_grad],
+                "weight_decay": args.weight_decay,
+            },
+            {
+                "params": [p for n, p in opt_model.named_parameters() if n not in decay and p.requires_grad],
+                "weight_decay": 0.0,
+            },
+        ]
+        groups = [g for g in groups if g["params"]]
+        assert isinstance(args, ZeroOneTrainingArguments)
+        schedule = args.compression_schedule(max(1, self.state.max_steps or args.max_steps))
+        common = dict(
+            lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            bias_correction=args.onebit_bias_correction,
+        )
+        cls = OneBitAdam if choice == "onebit_adam" else ZeroOneAdam
+        self.optimizer = cls(groups, **common, **schedule)
+        logger.info("hf_zeroone: %s with %s", cls.__name__, schedule)
+        return self.optimizer
+
+    # ------------------------------------------------------------------ hook
+    def _install_hook(self) -> None:
+        opt = unwrap_optimizer(self.optimizer)
+        if not isinstance(opt, CompressedAdamBase):
+            return
+        model = self.model_wrapped
+        if not isinstance(model, DistributedDataParallel):
+            if opt.comm.world_size > 1:
+                warnings.warn(
+                    f"ZeroOneTrainer: the model is not wrapped in DistributedDataParallel "
+                    f"({type(model).__name__}); {type(opt).__name__} communicates in step() instead of "
+                    "during backward",
+                    stacklevel=2,
+                )
+            return
+        if self._hook_state is None or self._hook_state.optimizer is not opt:
+            state = register_zeroone_hook(model, opt)
+            check = getattr(self.args, "overflow_check_on_local_steps", None)
+            state.overflow_check_on_local_steps = bool(self.args.fp16) if check is None else check
+            self._hook_state = state
+            logger.info("hf_zeroone: communication hook registered on the DDP model")
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        opt = unwrap_optimizer(self.optimizer)
+        if isinstance(opt, CompressedAdamBase):
+            os.makedirs(output_dir, exist_ok=True)
+            path = os.path.join(output_dir, RANK_OPTIMIZER_NAME.format(rank=opt.comm.rank))
+            torch.save(opt.state_dict(), path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        opt = unwrap_optimizer(self.optimizer)
+        if checkpoint is None or not isinstance(opt, CompressedAdamBase):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        own = os.path.join(checkpoint, RANK_OPTIMIZER_NAME.format(rank=opt.comm.rank))
+        fallback = os.path.join(checkpoint, "optimizer.pt")
+        path = own if os.path.isfile(own) else fallback
+        if not os.path.isfile(path):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if path == fallback:
+            logger.warning("hf_zeroone: no per-rank optimizer state for rank %d in %s", opt.comm.rank, checkpoint)
+        opt.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        scheduler = os.path.join(checkpoint, _SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch's "please also save optimizer" notice
+                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+__all__ = ["CommStatsCallback", "ZeroOneTrainer"]

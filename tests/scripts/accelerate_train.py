@@ -1,0 +1,51 @@
+"""A small Accelerate training script using the hf_zeroone plugin (run by tests under accelerate launch).
+
+Prints one JSON line per rank: the rank, whether the hook is on, a checksum of the parameters and
+the bytes sent.
+"""
+
+import json
+import sys
+
+import torch
+from accelerate import Accelerator
+
+from hf_zeroone import ZeroOneAdam
+from hf_zeroone.integrations import prepare_zeroone
+
+
+def main() -> None:
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optimizer = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2, local_step_clipper=2)
+    g = torch.Generator().manual_seed(accelerator.process_index)
+    data = [(torch.randn(16, 8, generator=g),) for _ in range(12)]
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = prepare_zeroone(accelerator, model, optimizer)
+    for (x,) in data:
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    inner = optimizer.optimizer
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    print(
+        json.dumps(
+            {
+                "rank": accelerator.process_index,
+                "world": accelerator.num_processes,
+                "hook": state is not None,
+                "checksum": checksum,
+                "bytes": inner.comm_stats.bytes_sent,
+                "steps": inner.schedule["step"],
+                "loss": float(loss),
+            }
+        ),
+        file=sys.stdout,
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The Accelerate plugin under a real `accelerate launch` with two CPU processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+SCRIPT = Path(__file__).parent / "scripts" / "accelerate_train.py"
+
+
+@pytest.mark.slow
+def test_accelerate_launch_two_cpu_processes_with_the_hook():
+    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in rows) == [0, 1], proc.stdout + proc.stderr[-3000:]
+    assert all(r["world"] == 2 and r["hook"] and r["steps"] == 12 and r["bytes"] > 0 for r in rows)
+    assert rows[0]["checksum"] == rows[1]["checksum"]
+
+
+class _FakeType:
+    def __init__(self, name):
+        self.name = name
+
+
+class _FakeAccelerator:
+    def __init__(self, name, num_processes=2):
+        self.distributed_type = _FakeType(name)
+        self.num_processes = num_processes
+        self.mixed_precision = "no"
+
+
+@pytest.mark.parametrize("name, match", [("FSDP", "FSDP"), ("DEEPSPEED", "DeepSpeed"), ("MEGATRON_LM", "Megatron")])
+def test_unsupported_setups_are_refused(name, match):
+    import torch
+
+    from hf_zeroone import OneBitAdam
+    from hf_zeroone.integrations import prepare_zeroone
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=match):
+        prepare_zeroone(_FakeAccelerator(name), model, OneBitAdam(model.parameters()))
+
+
+def test_plugin_needs_our_optimizer_and_is_a_no_op_in_one_process():
+    import torch
+
+    from hf_zeroone import OneBitAdam
+    from hf_zeroone.integrations import prepare_zeroone
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="needs a hf_zeroone optimizer"):
+        prepare_zeroone(_FakeAccelerator("MULTI_CPU"), model, torch.optim.AdamW(model.parameters()))
+    assert prepare_zeroone(_FakeAccelerator("NO", 1), model, OneBitAdam(model.parameters())) is None

@@ -1,0 +1,235 @@
+"""ZeroOneTrainer, ZeroOneTrainingArguments and plain Trainer with our optimizers, on 2 gloo ranks."""
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from _dist import run_ranks
+
+pytest.importorskip("transformers")
+
+
+def _args(out_dir, **kw):
+    from hf_zeroone import ZeroOneTrainingArguments
+
+    base = dict(
+        output_dir=out_dir,
+        use_cpu=True,
+        max_steps=24,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        warmup_steps=4,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        var_update_scaler=2,
+        local_step_scaler=4,
+        local_step_clipper=4,
+    )
+    base.update(kw)
+    return ZeroOneTrainingArguments(**base)
+
+
+def _train_choice(rank, world, out_dir, optim):
+    from hf_zeroone import ZeroOneTrainer
+
+    from _hf import TokenParityDataset, flat, tiny_bert
+
+    model = tiny_bert()
+    trainer = ZeroOneTrainer(
+        model=model, args=_args(out_dir, optim_compression=optim), train_dataset=TokenParityDataset()
+    )
+    trainer.train()
+    return {"hook": trainer._hook_state is not None, "log": trainer.state.log_history, "flat": flat(model)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["adamw_torch", "onebit_adam", "zeroone_adam"])
+def test_trainer_trains_with_each_optimizer(tmp_path, optim):
+    res = run_ranks(_train_choice, 2, str(tmp_path), optim, timeout=300)
+    assert torch.equal(res[0]["flat"], res[1]["flat"])  # replicas identical at the end
+    steps = [e for e in res[0]["log"] if "loss" in e]
+    assert len(steps) == 24
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    if optim == "adamw_torch":
+        assert not res[0]["hook"]
+        return
+    assert res[0]["hook"]
+    for entry in steps:
+        assert {"comm/bytes_sent", "comm/bytes_total", "comm/compression_ratio", "comm/local_phase"} <= set(entry)
+    warmup_bytes = steps[0]["comm/bytes_sent"]
+    assert warmup_bytes > 0
+    # after the exact warm-up (4 steps; 0/1 Adam's variance steps then thin out), compressed steps
+    # send at most 1/25 of a warm-up step
+    compressed = [e["comm/bytes_sent"] for e in steps[8:] if 0 < e["comm/bytes_sent"] < warmup_bytes]
+    assert compressed, [e["comm/bytes_sent"] for e in steps]
+    assert max(compressed) <= warmup_bytes / 25
+    if optim == "zeroone_adam":
+        assert any(e["comm/bytes_sent"] == 0 for e in steps)  # local steps
+        assert steps[-1]["comm/local_phase"] == 1
+
+
+def _user_optimizer(rank, world, out_dir, plain):
+    from transformers import Trainer, TrainingArguments
+
+    from hf_zeroone import OneBitAdam, ZeroOneAdam, ZeroOneTrainer
+
+    from _hf import TokenParityDataset, flat, tiny_bert
+
+    model = tiny_bert()
+    args = TrainingArguments(
+        output_dir=out_dir, use_cpu=True, max_steps=12, per_device_train_batch_size=8, report_to=[],
+        save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if plain:
+            opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=3)
+            trainer = Trainer(model=model, args=args, train_dataset=TokenParityDataset(), optimizers=(opt, None))
+        else:
+            opt = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=6, var_update_scaler=1)
+            trainer = ZeroOneTrainer(model=model, args=args, train_dataset=TokenParityDataset(), optimizers=(opt, None))
+        trainer.train()
+    return {
+        "flat": flat(model),
+        "hook": getattr(trainer, "_hook_state", None) is not None,
+        "warnings": [str(w.message) for w in caught],
+        "kinds_step": opt.schedule["step"],
+        "log": trainer.state.log_history,
+    }
+
+
+@pytest.mark.slow
+def test_user_built_optimizer_gets_the_hook(tmp_path):
+    res = run_ranks(_user_optimizer, 2, str(tmp_path), False, timeout=300)
+    assert res[0]["hook"] and torch.equal(res[0]["flat"], res[1]["flat"])
+    assert res[0]["kinds_step"] == 12
+    assert any("comm/bytes_sent" in e for e in res[0]["log"])
+
+
+@pytest.mark.slow
+def test_plain_trainer_with_our_optimizer_stays_in_sync_and_warns(tmp_path):
+    res = run_ranks(_user_optimizer, 2, str(tmp_path), True, timeout=300)
+    assert torch.equal(res[0]["flat"], res[1]["flat"])
+    assert res[0]["kinds_step"] == 12
+    assert sum("use hf_zeroone.ZeroOneTrainer" in w for w in res[0]["warnings"]) == 1
+
+
+def _resume(rank, world, out_dir, phase):
+    from hf_zeroone import ZeroOneTrainer
+
+    from _hf import TokenParityDataset, flat, tiny_bert
+
+    model = tiny_bert()
+    kw = dict(optim_compression="zeroone_adam", max_steps=20, warmup_steps=2)
+    if phase == "straight":
+        args = _args(os.path.join(out_dir, "a"), save_strategy="steps", save_steps=10, **kw)
+        trainer = ZeroOneTrainer(model=model, args=args, train_dataset=TokenParityDataset())
+        trainer.train()
+    else:
+        args = _args(os.path.join(out_dir, "b"), **kw)
+        trainer = ZeroOneTrainer(model=model, args=args, train_dataset=TokenParityDataset())
+        trainer.train(resume_from_checkpoint=os.path.join(out_dir, "a", "checkpoint-10"))
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    return {"flat": flat(model), "schedule": dict(opt.schedule)}
+
+
+@pytest.mark.slow
+def test_resume_continues_bit_identically_and_on_another_world_size_warns(tmp_path):
+    straight = run_ranks(_resume, 2, str(tmp_path), "straight", timeout=300)
+    ckpt = tmp_path / "a" / "checkpoint-10"
+    assert (ckpt / "hf_zeroone_optimizer_rank0.pt").exists() and (ckpt / "hf_zeroone_optimizer_rank1.pt").exists()
+    saved = [torch.load(ckpt / f"hf_zeroone_optimizer_rank{r}.pt", weights_only=True) for r in range(2)]
+    errors = [
+        torch.cat([s["worker_error"].flatten() for s in sd["state"].values() if "worker_error" in s]) for sd in saved
+    ]
+    assert not torch.equal(errors[0], errors[1])  # each rank's own error buffers were kept
+    resumed = run_ranks(_resume, 2, str(tmp_path), "resume", timeout=300)
+    for r in range(2):
+        assert torch.equal(straight[r]["flat"], resumed[r]["flat"])
+        assert straight[r]["schedule"] == resumed[r]["schedule"]
+
+    # One process from the two-rank checkpoint: error buffers reset with a warning, training goes on.
+    from hf_zeroone import ZeroOneTrainer
+
+    from _hf import TokenParityDataset, tiny_bert
+
+    args = _args(str(tmp_path / "c"), optim_compression="zeroone_adam", max_steps=20, warmup_steps=2)
+    trainer = ZeroOneTrainer(model=tiny_bert(), args=args, train_dataset=TokenParityDataset())
+    with pytest.warns(UserWarning, match="error-feedback buffers reset"):
+        trainer.train(resume_from_checkpoint=str(ckpt))
+    assert trainer.state.global_step == 20
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
+    from transformers import HfArgumentParser
+
+    from hf_zeroone import ZeroOneTrainingArguments
+
+    argv = [
+        "--output_dir", str(tmp_path), "--optim_compression", "onebit_adam", "--freeze_step", "7",
+        "--var_freeze_step", "9", "--var_update_scaler", "3", "--local_step_scaler", "5",
+        "--local_step_clipper", "8", "--exact_warmup_steps", "2", "--onebit_bias_correction", "false",
+        "--overflow_check_on_local_steps", "true", "--log_comm_stats", "false",
+    ]  # fmt: skip
+    (args,) = HfArgumentParser(ZeroOneTrainingArguments).parse_args_into_dataclasses(argv)
+    assert (args.optim_compression, args.freeze_step, args.var_freeze_step) == ("onebit_adam", 7, 9)
+    assert (args.var_update_scaler, args.local_step_scaler, args.local_step_clipper) == (3, 5, 8)
+    assert args.exact_warmup_steps == 2 and args.onebit_bias_correction is False
+    assert args.overflow_check_on_local_steps is True and args.log_comm_stats is False
+    assert args.compression_schedule(100) == {"freeze_step": 7}
+
+    config = tmp_path / "args.json"
+    config.write_text(
+        json.dumps({"output_dir": str(tmp_path), "optim_compression": "zeroone_adam", "warmup_steps": 10})
+    )
+    (args,) = HfArgumentParser(ZeroOneTrainingArguments).parse_json_file(str(config))
+    assert args.compression_schedule(1000) == {
+        "var_freeze_step": 20,
+        "exact_warmup_steps": 10,
+        "var_update_scaler": 16,
+        "local_step_scaler": 32678,
+        "local_step_clipper": 16,
+    }
+    help_text = HfArgumentParser(ZeroOneTrainingArguments).format_help()
+    assert "1-bit Adam: exact warm-up steps" in help_text
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(optim_compression="lamb"), "optim_compression must be one of"),
+        (dict(freeze_step=-1), "freeze_step must be >= 0"),
+        (dict(local_step_clipper=0), "local_step_clipper must be >= 1"),
+    ],
+)
+def test_bad_training_arguments(tmp_path, kw, match):
+    from hf_zeroone import ZeroOneTrainingArguments
+
+    with pytest.raises(ValueError, match=match):
+        ZeroOneTrainingArguments(output_dir=str(tmp_path), **kw)
+
+
+def test_independent_processes_are_detected(monkeypatch):
+    from hf_zeroone.integrations import check_distributed_launch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="each would train alone"):
+        check_distributed_launch("test")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert check_distributed_launch("test") == 1
+
+
+def test_import_is_light():
+    import subprocess
+    import sys
+
+    code = "import sys, hf_zeroone; print('transformers' in sys.modules, 'accelerate' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False False"

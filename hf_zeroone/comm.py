@@ -35,6 +35,7 @@ error, not a hang.
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -48,7 +49,7 @@ from torch import Tensor
 
 from hf_zeroone.compression import ChunkLayout, pack_signs, segment_scales, unpack_signs
 
-__all__ = ["CommStats", "Communicator", "fp32_allreduce_bytes"]
+__all__ = ["CommStats", "Communicator", "bit_checksum", "fp32_allreduce_bytes"]
 
 _SCALE_BYTES = 4  # one float32
 
@@ -58,6 +59,22 @@ def fp32_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> 
     if world_size <= 1:
         return 0
     return math.ceil(2 * (world_size - 1) * numel * element_size / world_size)
+
+
+def bit_checksum(tensors: list[Tensor]) -> Tensor:
+    """Two int64 sums of the tensors' bit patterns (plain and position-weighted): equal iff bit-equal.
+
+    Exact integer arithmetic, so any flipped bit changes it (up to astronomically unlikely
+    collisions); the weighted sum also catches tensors that swapped places.
+    """
+    total = torch.zeros(2, dtype=torch.int64)
+    for i, t in enumerate(tensors):
+        t = t.detach().contiguous().reshape(-1)
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        s = t.view(bits).to(torch.int64).sum().cpu()
+        total[0] += s
+        total[1] += s * (i + 1)
+    return total
 
 
 @dataclass
@@ -127,6 +144,61 @@ class _SerialExecutor:
         self._jobs.put(None)
 
 
+class _Collectives:
+    """The three collectives the package needs, on a registered process group or a private one.
+
+    The dedicated group is built directly on the default store under a prefix unique to this
+    launch attempt (torchelastic run id and restart count) and communicator. ``dist.new_group``
+    would reuse the same store keys after a ``torchrun --max-restarts`` restart, and a restarted
+    rank could then read a dead peer's address.
+    """
+
+    def __init__(self, group: Any, raw: bool) -> None:
+        self.group, self.raw = group, raw
+
+    def all_reduce_sum(self, t: Tensor) -> None:
+        if self.raw:
+            self.group.allreduce([t]).wait()
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+
+    def all_to_all(self, out: Tensor, inp: Tensor) -> None:
+        if self.raw:
+            self.group.alltoall_base(out, inp, [], [], dist.AllToAllOptions()).wait()
+        else:
+            dist.all_to_all_single(out, inp, group=self.group)
+
+    def all_gather(self, outs: list[Tensor], inp: Tensor) -> None:
+        if self.raw:
+            self.group.allgather([outs], [inp]).wait()
+        else:
+            dist.all_gather(outs, inp, group=self.group)
+
+
+_DEDICATED_GROUPS = 0
+
+
+def _dedicated_collectives(base: dist.ProcessGroup | None, timeout: timedelta | None) -> _Collectives:
+    """A process group with the ranks of ``base`` that only this package uses."""
+    global _DEDICATED_GROUPS
+    _DEDICATED_GROUPS += 1
+    backend = dist.get_backend(base)
+    ranks = dist.get_process_group_ranks(base if base is not None else dist.group.WORLD)
+    timeout = timeout or _group_timeout(base) or timedelta(minutes=30)
+    prefix = "hf_zeroone/{}/{}/{}/{}".format(
+        os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        _DEDICATED_GROUPS,
+        "-".join(map(str, ranks)),
+    )
+    rank, size = dist.get_rank(base), dist.get_world_size(base)
+    if backend == "gloo":
+        store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+        return _Collectives(dist.ProcessGroupGloo(store, rank, size, timeout), raw=True)
+    # Other backends (NCCL): a regular new group.
+    return _Collectives(dist.new_group(ranks=None if base is None else ranks, timeout=timeout), raw=False)
+
+
 def _group_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
     """The timeout of ``group`` (default group if ``None``), or ``None`` if it cannot be read."""
     pg = group if group is not None else dist.group.WORLD
@@ -145,9 +217,9 @@ class Communicator:
         process_group: the data-parallel group. ``None`` means the default group when
             ``torch.distributed`` is initialised, and a single-process communicator otherwise.
         dedicated: create a new process group with the same ranks for the package's own
-            collectives (the default). Needs every rank of the default group to construct the
-            communicator at the same point, as ``dist.new_group`` does. Pass ``False`` only when
-            ``process_group`` is already reserved for this communicator.
+            collectives (the default). Every rank of ``process_group`` must construct its
+            communicators in the same order. Pass ``False`` only when ``process_group`` is already
+            reserved for this communicator.
         timeout: timeout of the dedicated group; defaults to the timeout of ``process_group``.
 
     ``world_size == 1`` (or no initialised process group) makes every call a local no-op that
@@ -163,7 +235,7 @@ class Communicator:
     ) -> None:
         self.stats = CommStats()
         self._executor: _SerialExecutor | None = None
-        self.group: dist.ProcessGroup | None = None
+        self._coll: _Collectives | None = None
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None:
                 raise ValueError("process_group was given but torch.distributed is not initialized")
@@ -174,11 +246,18 @@ class Communicator:
         if self.world_size == 1:
             return
         if dedicated:
-            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            self.group = dist.new_group(ranks=ranks, timeout=timeout or _group_timeout(process_group))
+            self._coll = _dedicated_collectives(process_group, timeout)
         else:
-            self.group = process_group if process_group is not None else dist.group.WORLD
+            self._coll = _Collectives(process_group if process_group is not None else dist.group.WORLD, raw=False)
         self._executor = _SerialExecutor(f"hf_zeroone-comm-rank{self.rank}")
+
+    @classmethod
+    def local(cls) -> Communicator:
+        """A single-process communicator even when ``torch.distributed`` is initialised (sends nothing)."""
+        comm = cls.__new__(cls)
+        comm.stats, comm._executor, comm._coll = CommStats(), None, None
+        comm.world_size, comm.rank = 1, 0
+        return comm
 
     @property
     def is_distributed(self) -> bool:
@@ -213,10 +292,10 @@ class Communicator:
         self.stats.fp32_equivalent_bytes += fp32_allreduce_bytes(tensor.numel(), self.world_size)
         self.stats.collectives += 1
         self.stats.full_allreduces += 1
-        group, world = self.group, self.world_size
+        coll, world = self._coll, self.world_size
 
         def job() -> Tensor:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+            coll.all_reduce_sum(tensor)
             tensor.div_(world)
             return tensor
 
@@ -225,6 +304,34 @@ class Communicator:
     def allreduce_mean(self, tensor: Tensor) -> Tensor:
         """Blocking form of :meth:`allreduce_mean_async`."""
         return self.allreduce_mean_async(tensor).wait()
+
+    # ------------------------------------------------------------------ consistency
+    def assert_identical(self, tensors: list[Tensor], what: str = "parameters") -> None:
+        """Raise ``RuntimeError`` on every rank if ``tensors`` differ in any bit between ranks.
+
+        Compares an exact integer checksum of the bit patterns (two int64 per rank, one
+        all-gather), so it costs one tiny collective whatever the model size.
+        """
+        if not self.is_distributed:
+            return
+        local = bit_checksum(tensors)
+        gathered = torch.empty(self.world_size, local.numel(), dtype=local.dtype)
+        self.stats.bytes_sent += (self.world_size - 1) * local.numel() * local.element_size()
+        self.stats.collectives += 1
+        coll = self._coll
+
+        def job() -> Tensor:
+            coll.all_gather(list(gathered.unbind(0)), local)
+            return gathered
+
+        rows = self._submit(job).wait()
+        if not bool((rows == rows[0]).all()):
+            differing = [r for r in range(self.world_size) if not torch.equal(rows[r], rows[0])]
+            raise RuntimeError(
+                f"hf_zeroone: {what} differ between ranks (ranks {differing} disagree with rank 0). Replicas "
+                "drifted apart: a rank stepped differently (a skipped step on one rank, non-deterministic "
+                "kernels, or a bug). Stop and restart from the last checkpoint; report it if it repeats."
+            )
 
     # ------------------------------------------------------------------ 1-bit allreduce
     def compressed_allreduce_async(
@@ -302,7 +409,7 @@ class Communicator:
         send[:, :nb] = pack_signs(y.view(p, c))
         send[:, nb:] = scales.view(torch.uint8).view(p, sb)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        self._coll.all_to_all(recv, send)
         # worker_scales[i, j]: scale of segment j of my chunk, as worker i compressed it
         worker_scales = recv[:, nb:].contiguous().view(torch.float32).view(p, s_per)
         finite = bool(torch.isfinite(worker_scales).all())
@@ -334,7 +441,7 @@ class Communicator:
 
         # Stage 2: every rank gets every server's chunk and decompresses the same bytes.
         gathered = torch.empty(p, nb + sb, dtype=torch.uint8, device=device)
-        dist.all_gather(list(gathered.unbind(0)), out_row, group=self.group)
+        self._coll.all_gather(list(gathered.unbind(0)), out_row)
         server_scales = gathered[:, nb:].contiguous().view(torch.float32).view(-1)
         result = unpack_signs(gathered[:, :nb]).view(-1).mul_(server_scales[layout.segment_ids])
         if finite and masked:

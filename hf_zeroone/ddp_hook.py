@@ -146,6 +146,16 @@ def register_zeroone_hook(ddp_model: DistributedDataParallel, optimizer: Compres
             f"register_zeroone_hook needs a hf_zeroone optimizer (OneBitAdam, ZeroOneAdam), "
             f"got {type(optimizer).__name__}"
         )
+    sparse = [
+        name
+        for name, m in ddp_model.module.named_modules()
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+    ]
+    if sparse:
+        raise ValueError(
+            f"modules {sparse} produce sparse gradients, which 1-bit compression does not support; "
+            "build them with sparse=False"
+        )
     model_params = {id(p) for p in ddp_model.parameters() if p.requires_grad}
     opt_params = {id(p) for _, p in optimizer.trainable_params()}
     if model_params != opt_params:

@@ -141,6 +141,9 @@ class CompressedAdamBase(Optimizer):
             such elements collect compression error and drift.
         communicator: an existing :class:`~hf_zeroone.comm.Communicator` to use instead of
             creating one from ``process_group``.
+        check_replicas_every: every this many synchronising steps, check that all ranks hold
+            bit-identical parameters (one all-gather of 16 bytes) and raise ``RuntimeError`` if
+            they do not. ``0`` (default) disables the check.
 
     With no process group, or a world size of 1, the optimizer communicates nothing and runs Adam
     with the same schedule (so it can be used and tested in a single process).
@@ -162,7 +165,9 @@ class CompressedAdamBase(Optimizer):
         process_group: dist.ProcessGroup | None,
         auto_momentum_mask: bool,
         communicator: Communicator | None,
+        check_replicas_every: int = 0,
     ) -> None:
+        _check_int("check_replicas_every", check_replicas_every, 0)
         if isinstance(lr, Tensor) or not isinstance(lr, (int, float)) or not lr >= 0.0:
             raise ValueError(f"lr must be a float >= 0, got {lr!r}")
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -196,6 +201,8 @@ class CompressedAdamBase(Optimizer):
         self.last_step_stats = CommStats()
         self.last_step_kind: StepKind | None = None
         self._warned_step_path = False
+        self.check_replicas_every = check_replicas_every
+        self._syncs_since_check = 0
         for group in self.param_groups:
             self._check_group(group)
 
@@ -550,6 +557,13 @@ class CompressedAdamBase(Optimizer):
         self._advance_schedule(kind)
         self.schedule["step"] += 1
         self.communicated_step = None
+        if self.check_replicas_every and kind.communicates:
+            self._syncs_since_check += 1
+            if self._syncs_since_check >= self.check_replicas_every:
+                self._syncs_since_check = 0
+                self.comm.assert_identical(
+                    [p for _, p in self.trainable_params()], f"parameters after step {self.schedule['step']}"
+                )
         return loss
 
     # ------------------------------------------------------------------ checkpoints

@@ -51,7 +51,7 @@ class OneBitAdam(CompressedAdamBase):
         lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
         freeze_step: number of exact warm-up steps before compression starts.
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
-        communicator: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
+        communicator, check_replicas_every: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
 
     Example::
 
@@ -81,6 +81,7 @@ class OneBitAdam(CompressedAdamBase):
         process_group: dist.ProcessGroup | None = None,
         auto_momentum_mask: bool = True,
         communicator: Communicator | None = None,
+        check_replicas_every: int = 0,
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:
@@ -98,6 +99,7 @@ class OneBitAdam(CompressedAdamBase):
             process_group=process_group,
             auto_momentum_mask=auto_momentum_mask,
             communicator=communicator,
+            check_replicas_every=check_replicas_every,
         )
 
     def next_step_kind(self) -> StepKind:

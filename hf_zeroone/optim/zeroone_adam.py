@@ -68,7 +68,7 @@ class ZeroOneAdam(CompressedAdamBase):
             communication through the LR warm-up (e.g. the first 10% of steps) fixes it for a few
             percent more bytes. ``0`` (the default) is the paper's and DeepSpeed's schedule.
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
-        communicator: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
+        communicator, check_replicas_every: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
     """
 
     schedule_params = (
@@ -97,6 +97,7 @@ class ZeroOneAdam(CompressedAdamBase):
         process_group: dist.ProcessGroup | None = None,
         auto_momentum_mask: bool = True,
         communicator: Communicator | None = None,
+        check_replicas_every: int = 0,
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:
@@ -122,6 +123,7 @@ class ZeroOneAdam(CompressedAdamBase):
             process_group=process_group,
             auto_momentum_mask=auto_momentum_mask,
             communicator=communicator,
+            check_replicas_every=check_replicas_every,
         )
 
     def _initial_schedule(self) -> dict[str, Any]:

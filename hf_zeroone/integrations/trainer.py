@@ -103,6 +103,7 @@ class ZeroOneTrainer(Trainer):
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon,
             bias_correction=args.onebit_bias_correction,
+            check_replicas_every=args.check_replicas_every,
         )
         cls = OneBitAdam if choice == "onebit_adam" else ZeroOneAdam
         self.optimizer = cls(groups, **common, **schedule)

@@ -63,6 +63,13 @@ class ZeroOneTrainingArguments(TrainingArguments):
             "per bucket) so a GradScaler skips together. Default: on with --fp16."
         },
     )
+    check_replicas_every: int = field(
+        default=0,
+        metadata={
+            "help": "Every N synchronising steps, check that all ranks hold bit-identical parameters (one "
+            "16-byte all-gather) and stop with an error if not. 0 disables."
+        },
+    )
     log_comm_stats: bool = field(
         default=True,
         metadata={"help": "Add communication statistics (bytes, ratio vs fp32, phase) to the training logs."},
@@ -78,6 +85,8 @@ class ZeroOneTrainingArguments(TrainingArguments):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.check_replicas_every < 0:
+            raise ValueError(f"check_replicas_every must be >= 0, got {self.check_replicas_every}")
         for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -520,7 +520,7 @@ class CompressedAdamBase(Optimizer):
                     "bandwidth is saved: use hf_zeroone.ZeroOneTrainer, "
                     "hf_zeroone.integrations.prepare_zeroone or hf_zeroone.register_zeroone_hook.",
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=3,  # the caller of step() (step is wrapped by torch.no_grad)
                 )
             updates = self._exchange(kind)
         else:  # the hook's results, or local gradients

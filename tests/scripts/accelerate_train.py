@@ -1,10 +1,12 @@
 """A small Accelerate training script using the hf_zeroone plugin (run by tests under accelerate launch).
 
-Prints one JSON line per rank: the rank, whether the hook is on, a checksum of the parameters and
-the bytes sent.
+Writes OUT_DIR/rank{r}.json per rank (OUT_DIR is the first argument): the rank, whether the hook
+is on, a checksum of the parameters and the bytes sent. (Files, not stdout: two ranks printing at
+once can interleave their lines.)
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -30,21 +32,17 @@ def main() -> None:
         optimizer.zero_grad()
     inner = optimizer.optimizer
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    print(
-        json.dumps(
-            {
-                "rank": accelerator.process_index,
-                "world": accelerator.num_processes,
-                "hook": state is not None,
-                "checksum": checksum,
-                "bytes": inner.comm_stats.bytes_sent,
-                "steps": inner.schedule["step"],
-                "loss": float(loss),
-            }
-        ),
-        file=sys.stdout,
-        flush=True,
-    )
+    result = {
+        "rank": accelerator.process_index,
+        "world": accelerator.num_processes,
+        "hook": state is not None,
+        "checksum": checksum,
+        "bytes": inner.comm_stats.bytes_sent,
+        "steps": inner.schedule["step"],
+        "loss": float(loss),
+    }
+    with open(os.path.join(sys.argv[1], f"rank{accelerator.process_index}.json"), "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

@@ -199,6 +199,20 @@ def _dedicated_collectives(base: dist.ProcessGroup | None, timeout: timedelta | 
     return _Collectives(dist.new_group(ranks=None if base is None else ranks, timeout=timeout), raw=False)
 
 
+def _zero_masked(t: Tensor, layout: ChunkLayout, start: int = 0) -> None:
+    """Zero the masked elements of flat ``t``, which holds layout positions ``start ..``.
+
+    Without caller masks only the padding at the end is masked: zero that tail instead of
+    multiplying the whole vector by the mask (one pass over the data saved, five times a call).
+    """
+    if layout.fully_unmasked:
+        first_pad = layout.numel - start
+        if first_pad < t.numel():
+            t[max(first_pad, 0) :].zero_()
+    else:
+        t.mul_(layout.mask[start : start + t.numel()])
+
+
 def _group_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
     """The timeout of ``group`` (default group if ``None``), or ``None`` if it cannot be read."""
     pg = group if group is not None else dist.group.WORLD
@@ -395,13 +409,11 @@ class Communicator:
         s_per = layout.segments_per_chunk
         sb = _SCALE_BYTES * s_per
         device = buffer.device
-        masked = not layout.fully_unmasked or layout.padded != layout.numel
 
         # Stage 1, worker side: y = x + e_w, compressed segment by segment.
         y = buffer
         y.add_(worker_error)
-        if masked:
-            y.mul_(layout.mask)
+        _zero_masked(y, layout)
         scales = segment_scales(y, layout.segment_ids, layout.segment_counts)
         if not bool(torch.isfinite(scales).all()):
             scales.fill_(math.nan)  # every server will see it
@@ -416,24 +428,20 @@ class Communicator:
         if finite:  # e_w <- y - C[y]; never absorbs a non-finite value
             element_scales = scales[layout.segment_ids]
             torch.sub(y, torch.where(y >= 0, element_scales, -element_scales), out=worker_error)
-            if masked:
-                worker_error.mul_(layout.mask)
+            _zero_masked(worker_error, layout)
 
         # Stage 1, server side: average the P compressed copies of my chunk, compress again.
         out_row = torch.empty(nb + sb, dtype=torch.uint8, device=device)
         ids = layout.chunk_segment_ids(k)
-        my_mask = layout.mask[k * c : (k + 1) * c]
         if finite:
             z = unpack_signs(recv[:, :nb]).mul_(worker_scales[:, ids]).sum(dim=0).div_(p)
             z.add_(server_error)
-            if masked:
-                z.mul_(my_mask)
+            _zero_masked(z, layout, start=k * c)
             s = segment_scales(z, ids, layout.chunk_segment_counts(k))
             out_row[:nb] = pack_signs(z)
             element_scales = s[ids]
             torch.sub(z, torch.where(z >= 0, element_scales, -element_scales), out=server_error)
-            if masked:
-                server_error.mul_(my_mask)
+            _zero_masked(server_error, layout, start=k * c)
         else:
             s = torch.full((s_per,), math.nan, dtype=torch.float32, device=device)
             out_row[:nb] = 0
@@ -444,6 +452,6 @@ class Communicator:
         self._coll.all_gather(list(gathered.unbind(0)), out_row)
         server_scales = gathered[:, nb:].contiguous().view(torch.float32).view(-1)
         result = unpack_signs(gathered[:, :nb]).view(-1).mul_(server_scales[layout.segment_ids])
-        if finite and masked:
-            result.mul_(layout.mask)
+        if finite:
+            _zero_masked(result, layout)
         return result

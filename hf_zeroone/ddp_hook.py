@@ -72,9 +72,6 @@ class ZeroOneHookState:
     overflow_check_on_local_steps: bool | None = None
     buckets_seen: int = field(default=0)
 
-    def __setstate__(self, state: dict) -> None:  # DDP may pickle hook state; keep it plain
-        self.__dict__.update(state)
-
 
 def _done(value: Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()

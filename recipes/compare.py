@@ -69,21 +69,16 @@ def run_one(recipe: str, optimizer: str, nproc: int, out: Path, extra: list[str]
         }
     state = json.loads((out / "trainer_state.json").read_text())
     logs = [e for e in state["log_history"] if "loss" in e]
-    fp32_per_step = None
-    curve = []
-    for e in logs:
-        sent = e.get("comm/bytes_total")
-        curve.append((e["step"], e["loss"], sent))
+    curve = [(e["step"], e["loss"], e.get("comm/bytes_total")) for e in logs]
     evals = json.loads((out / "eval_results.json").read_text()) if (out / "eval_results.json").exists() else {}
     final = {k.removeprefix("eval_"): v for k, v in evals.items() if not k.endswith(("runtime", "per_second"))}
     final = {k: v for k, v in final.items() if k not in ("epoch",)}
-    if logs and "comm/fp32_equivalent_bytes_total" in logs[-1]:
-        fp32_per_step = logs[-1]["comm/fp32_equivalent_bytes_total"]
+    fp32_total = logs[-1].get("comm/fp32_equivalent_bytes_total") if logs else None
     return {
         "curve": curve,
         "final": final,
         "bytes": logs[-1].get("comm/bytes_total") if logs else None,
-        "fp32_bytes": fp32_per_step,
+        "fp32_bytes": fp32_total,
         "collectives": sum(e.get("comm/collectives", 0) for e in logs) or None,
         "wall": wall,
     }

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hf_zeroone.compression import ChunkLayout, pack_signs, segment_scales, unpack_signs
+from hf_zeroone.compression import ChunkLayout, compression_error, decompress, pack_signs, segment_scales
 
 __all__ = ["CommStats", "Communicator", "bit_checksum", "fp32_allreduce_bytes"]
 
@@ -414,7 +414,7 @@ class Communicator:
         y = buffer
         y.add_(worker_error)
         _zero_masked(y, layout)
-        scales = segment_scales(y, layout.segment_ids, layout.segment_counts)
+        scales = segment_scales(y, layout.bounds, layout.segment_counts)
         if not bool(torch.isfinite(scales).all()):
             scales.fill_(math.nan)  # every server will see it
         send = torch.empty(p, nb + sb, dtype=torch.uint8, device=device)
@@ -426,21 +426,22 @@ class Communicator:
         worker_scales = recv[:, nb:].contiguous().view(torch.float32).view(p, s_per)
         finite = bool(torch.isfinite(worker_scales).all())
         if finite:  # e_w <- y - C[y]; never absorbs a non-finite value
-            element_scales = scales[layout.segment_ids]
-            torch.sub(y, torch.where(y >= 0, element_scales, -element_scales), out=worker_error)
+            compression_error(y, scales, layout.bounds, out=worker_error)
             _zero_masked(worker_error, layout)
 
         # Stage 1, server side: average the P compressed copies of my chunk, compress again.
         out_row = torch.empty(nb + sb, dtype=torch.uint8, device=device)
-        ids = layout.chunk_segment_ids(k)
+        bounds = layout.chunk_bounds(k)
         if finite:
-            z = unpack_signs(recv[:, :nb]).mul_(worker_scales[:, ids]).sum(dim=0).div_(p)
-            z.add_(server_error)
+            # the P copies side by side, each scaled by 1/P, then summed: z = mean_i C[y_ik] + e_s
+            copies = decompress(recv[:, :nb], worker_scales.reshape(-1) / p, _tile(bounds, p)).view(p, c)
+            z = torch.add(copies[0], server_error)
+            for i in range(1, p):  # row by row: much faster than a sum over dim 0 on CPU
+                z.add_(copies[i])
             _zero_masked(z, layout, start=k * c)
-            s = segment_scales(z, ids, layout.chunk_segment_counts(k))
+            s = segment_scales(z, bounds, layout.chunk_segment_counts(k))
             out_row[:nb] = pack_signs(z)
-            element_scales = s[ids]
-            torch.sub(z, torch.where(z >= 0, element_scales, -element_scales), out=server_error)
+            compression_error(z, s, bounds, out=server_error)
             _zero_masked(server_error, layout, start=k * c)
         else:
             s = torch.full((s_per,), math.nan, dtype=torch.float32, device=device)
@@ -451,7 +452,13 @@ class Communicator:
         gathered = torch.empty(p, nb + sb, dtype=torch.uint8, device=device)
         self._coll.all_gather(list(gathered.unbind(0)), out_row)
         server_scales = gathered[:, nb:].contiguous().view(torch.float32).view(-1)
-        result = unpack_signs(gathered[:, :nb]).view(-1).mul_(server_scales[layout.segment_ids])
+        result = decompress(gathered[:, :nb], server_scales, layout.bounds)
         if finite:
             _zero_masked(result, layout)
         return result
+
+
+def _tile(bounds: tuple[int, ...], times: int) -> tuple[int, ...]:
+    """Segment bounds of ``times`` copies of a vector laid end to end."""
+    length = bounds[-1]
+    return tuple(i * length + b for i in range(times) for b in bounds[:-1]) + (times * length,)

@@ -7,8 +7,10 @@ vector ``x`` of ``n`` elements to
 
     C[x] = s \\cdot \\operatorname{sign}(x), \\qquad s = \\frac{\\lVert x \\rVert_2}{\\sqrt{n}},
 
-with ``sign(0) = +1`` (one bit has no zero). Signs travel packed eight to a byte, most significant
-bit first; the scale travels as one float.
+where ``sign`` reads the floating-point sign bit: ``sign(+0.0) = +1`` and ``sign(-0.0) = -1`` (one
+bit has no zero), so ``C[x] = copysign(s, x)`` element by element and the compression error is
+``x - C[x]``. Signs travel packed eight to a byte, most significant bit first, bit ``1`` for
+``+1``; the scale travels as one float.
 
 The compressed allreduce (:mod:`hf_zeroone.comm`) splits a flat vector into ``world_size`` equal
 chunks, each a whole number of bytes once packed. :class:`ChunkLayout` describes that split for a
@@ -17,11 +19,15 @@ points (the boundaries of the parameter tensors packed into the vector), and eac
 own scale: one tensor's small gradients are not blown up to the magnitude of its neighbour's.
 That costs four bytes per segment, a few hundred bytes per call for a BERT model.
 
+Segments are contiguous, so every per-segment operation works on slices: no per-element index
+tensor, no gather. On CPU, packing and unpacking go through NumPy's bit routines
+(``packbits`` and a 256-row lookup table), about ten times faster than the equivalent torch bit
+arithmetic; on other devices the same results come from vectorised torch code.
+
 The layout also carries a 0/1 *mask* that is zero on the padding and on any element the caller
 wants kept out of compression (for example momentum that is always exactly zero). Masked
-elements take no part in a scale, never build up error, and decompress to exactly zero.
-
-Everything here is vectorised torch code and runs on any device.
+elements take no part in a scale, never build up error, and decompress to exactly zero (the
+caller zeroes them, see :mod:`hf_zeroone.comm`).
 """
 
 from __future__ import annotations
@@ -29,18 +35,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 __all__ = [
     "ChunkLayout",
+    "compression_error",
+    "decompress",
     "padded_length",
     "pack_signs",
-    "unpack_signs",
     "segment_scales",
+    "unpack_signs",
 ]
 
 _BITS_PER_BYTE = 8
+# Multiplying a little-endian word of eight 0/1 bytes by this constant (the sum of 2 ** (63 - 9 j)
+# for j = 0..7, written as a signed int64) lands byte j's bit at bit 63 - j of the product, with no
+# two partial products on the same bit (so no carries): the top byte holds the eight bits, the
+# first one highest.
+_GATHER_BITS = 0x8040201008040201 - (1 << 64)
+_NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
 def padded_length(numel: int, world_size: int) -> int:
@@ -58,21 +73,31 @@ def padded_length(numel: int, world_size: int) -> int:
 
 
 def pack_signs(x: Tensor) -> Tensor:
-    """Pack ``x >= 0`` into bytes, eight signs per byte, first element in the most significant bit.
+    """Pack the signs of ``x`` into bytes: bit ``1`` where the sign bit is clear (``+1``), ``0`` for ``-1``.
 
-    ``x`` may have any shape whose last dimension is a multiple of 8; the result has the same
-    leading dimensions and a last dimension eight times smaller, dtype ``uint8``.
+    Eight signs per byte, first element in the most significant bit. ``x`` may have any shape
+    whose last dimension is a multiple of 8; the result has the same leading dimensions and a last
+    dimension eight times smaller, dtype ``uint8``.
     """
     if x.shape[-1] % _BITS_PER_BYTE:
         raise ValueError(
             f"pack_signs needs a last dimension that is a multiple of 8, got shape {tuple(x.shape)}; "
             "pad the input with padded_length() first"
         )
-    bits = (x >= 0).view(torch.uint8).reshape(*x.shape[:-1], -1, _BITS_PER_BYTE)
-    packed = bits[..., 0] << 7
-    for i in range(1, _BITS_PER_BYTE):
-        packed |= bits[..., i] << (7 - i)
-    return packed
+    x = x.detach()
+    if x.device.type == "cpu" and x.dtype in _NUMPY_DTYPES:
+        packed = np.packbits(np.signbit(x.numpy()), axis=-1)
+        np.invert(packed, out=packed)
+        return torch.from_numpy(packed)
+    return _pack_signs_torch(x)
+
+
+def _pack_signs_torch(x: Tensor) -> Tensor:
+    """:func:`pack_signs` in torch operations only (any device, any floating dtype)."""
+    positive = torch.logical_not(torch.signbit(x)).to(torch.uint8).reshape(-1, _BITS_PER_BYTE)
+    words = positive.view(torch.int64).reshape(-1)
+    packed = ((words * _GATHER_BITS) >> 56) & 0xFF
+    return packed.to(torch.uint8).reshape(*x.shape[:-1], x.shape[-1] // _BITS_PER_BYTE)
 
 
 _SIGN_TABLES: dict[tuple[torch.dtype, torch.device], Tensor] = {}
@@ -92,26 +117,66 @@ def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Inverse of :func:`pack_signs`: bytes back to +1/-1 values of ``dtype``.
+    """Inverse of :func:`pack_signs`: bytes back to +1/-1 values of ``dtype`` (a new tensor).
 
     The result has the leading dimensions of ``packed`` and a last dimension eight times larger.
     """
     if packed.dtype != torch.uint8:
         raise TypeError(f"unpack_signs expects a uint8 tensor, got {packed.dtype}")
+    shape = (*packed.shape[:-1], packed.shape[-1] * _BITS_PER_BYTE)
     table = _sign_table(dtype, packed.device)
-    signs = table[packed.reshape(-1).long()]
-    return signs.reshape(*packed.shape[:-1], packed.shape[-1] * _BITS_PER_BYTE)
+    if packed.device.type == "cpu" and dtype in _NUMPY_DTYPES:
+        signs = np.take(table.numpy(), packed.reshape(-1).numpy(), axis=0)
+        return torch.from_numpy(signs).reshape(shape)
+    return table[packed.reshape(-1).long()].reshape(shape)
 
 
-def segment_scales(x: Tensor, segment_ids: Tensor, counts: Tensor) -> Tensor:
+def _segments(x: Tensor, bounds: Sequence[int]) -> list[Tensor]:
+    return [x[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _check_bounds(x: Tensor, scales_or_counts: Tensor, bounds: Sequence[int]) -> None:
+    if len(bounds) != scales_or_counts.numel() + 1 or bounds[0] != 0 or bounds[-1] != x.numel():
+        raise ValueError(
+            f"bounds must run from 0 to {x.numel()} with one entry more than the {scales_or_counts.numel()} "
+            f"segments, got {len(bounds)} entries from {bounds[0] if bounds else None} to "
+            f"{bounds[-1] if bounds else None}"
+        )
+
+
+def segment_scales(x: Tensor, bounds: Sequence[int], counts: Tensor) -> Tensor:
     """Scale of each segment, ``||x_seg||_2 / sqrt(count_seg)``, zero for a segment with no element.
 
-    ``x`` is flat with masked entries already zero; ``segment_ids[i]`` is the segment of ``x[i]``;
-    ``counts`` (float) holds the number of unmasked elements of each segment.
+    ``x`` is flat with masked entries already zero; segment ``j`` is ``x[bounds[j]:bounds[j+1]]``
+    (an empty segment is allowed); ``counts`` (float) holds the number of unmasked elements of
+    each segment.
     """
-    squares = torch.zeros(counts.numel(), dtype=x.dtype, device=x.device)
-    squares.index_add_(0, segment_ids, x * x)
-    return torch.where(counts > 0, squares.sqrt() / counts.clamp(min=1).sqrt(), torch.zeros_like(squares))
+    _check_bounds(x, counts, bounds)
+    norms = torch.stack(torch._foreach_norm(_segments(x, bounds)))
+    return torch.where(counts > 0, norms / counts.clamp(min=1).sqrt(), torch.zeros_like(norms))
+
+
+def compression_error(x: Tensor, scales: Tensor, bounds: Sequence[int], out: Tensor) -> Tensor:
+    """``out = x - C[x]`` with ``C[x] = copysign(scale_seg, x)`` on each segment; returns ``out``.
+
+    ``out`` must not overlap ``x``. The signs are the ones :func:`pack_signs` sends.
+    """
+    _check_bounds(x, scales, bounds)
+    for j, (x_seg, out_seg) in enumerate(zip(_segments(x, bounds), _segments(out, bounds))):
+        if x_seg.numel():
+            torch.copysign(scales[j], x_seg, out=out_seg)
+    return torch.sub(x, out, out=out)
+
+
+def decompress(packed: Tensor, scales: Tensor, bounds: Sequence[int]) -> Tensor:
+    """``C[x]`` from its packed signs and segment scales: a new flat float32 tensor."""
+    out = unpack_signs(packed).reshape(-1)
+    _check_bounds(out, scales, bounds)
+    views = [v for v in _segments(out, bounds) if v.numel()]
+    factors = [s for s, v in zip(scales.unbind(), _segments(out, bounds)) if v.numel()]
+    if views:
+        torch._foreach_mul_(views, factors)
+    return out
 
 
 @dataclass(frozen=True)
@@ -122,9 +187,10 @@ class ChunkLayout:
         numel: number of real elements.
         world_size: number of chunks (one per rank).
         chunk: elements per chunk, a multiple of 8 (``0`` for an empty vector).
-        segments_per_chunk: ``S``, the largest number of segments in a chunk; segment ``j`` of
-            chunk ``k`` has index ``k * S + j`` (unused indices have no elements).
-        segment_ids: int64, ``padded`` long: the segment index of every element.
+        segments_per_chunk: ``S``: every chunk is cut into exactly ``S`` segments, the last ones
+            possibly empty; segment ``j`` of chunk ``k`` has index ``k * S + j``.
+        bounds: ``world_size * S + 1`` nondecreasing offsets into the padded vector: segment
+            ``i`` is ``[bounds[i], bounds[i + 1])``, and ``bounds[k * S] == k * chunk``.
         segment_counts: float, ``world_size * S`` long: unmasked elements per segment.
         mask: float, ``padded`` long: 1 where an element takes part in compression, 0 on padding
             and on caller-masked elements.
@@ -135,7 +201,7 @@ class ChunkLayout:
     world_size: int
     chunk: int
     segments_per_chunk: int
-    segment_ids: Tensor
+    bounds: tuple[int, ...]
     segment_counts: Tensor
     mask: Tensor
     fully_unmasked: bool
@@ -148,9 +214,10 @@ class ChunkLayout:
     def chunk_bytes(self) -> int:
         return self.chunk // _BITS_PER_BYTE
 
-    def chunk_segment_ids(self, k: int) -> Tensor:
-        """Segment ids of chunk ``k``'s elements, relative to the chunk (``0 .. S-1``)."""
-        return self.segment_ids[k * self.chunk : (k + 1) * self.chunk] - k * self.segments_per_chunk
+    def chunk_bounds(self, k: int) -> tuple[int, ...]:
+        """Segment bounds of chunk ``k``, relative to the chunk start (``S + 1`` offsets, ``0 .. chunk``)."""
+        s = self.segments_per_chunk
+        return tuple(b - k * self.chunk for b in self.bounds[k * s : (k + 1) * s + 1])
 
     def chunk_segment_counts(self, k: int) -> Tensor:
         s = self.segments_per_chunk
@@ -188,22 +255,17 @@ class ChunkLayout:
             mask[:numel] = flat.to(device=device, dtype=torch.float32)
             fully_unmasked = bool((flat != 0).all())
         if padded == 0:
-            empty = torch.zeros(0, dtype=torch.int64, device=device)
-            return cls(numel, world_size, 0, 1, empty, torch.zeros(world_size, device=device), mask, True)
-        starts = sorted({int(o) for o in segment_starts if 0 < o < numel} | {k * chunk for k in range(world_size)})
-        chunk_of = [o // chunk for o in starts]
-        per_chunk = [0] * world_size
-        for k in chunk_of:
-            per_chunk[k] += 1
-        s_max = max(per_chunk)
-        position, seen = [], [0] * world_size
-        for k in chunk_of:
-            position.append(k * s_max + seen[k])
-            seen[k] += 1
-        lengths = [b - a for a, b in zip(starts, starts[1:] + [padded])]
-        segment_ids = torch.repeat_interleave(
-            torch.tensor(position, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
-        ).to(device)
-        counts = torch.zeros(world_size * s_max, dtype=torch.float32, device=device)
-        counts.index_add_(0, segment_ids, mask)
-        return cls(numel, world_size, chunk, s_max, segment_ids, counts, mask, fully_unmasked)
+            bounds = (0,) * (world_size + 1)
+            return cls(numel, world_size, 0, 1, bounds, torch.zeros(world_size, device=device), mask, True)
+        cuts = {int(o) for o in segment_starts if 0 < o < numel}
+        per_chunk = [sorted({o for o in cuts if o // chunk == k} | {k * chunk}) for k in range(world_size)]
+        s_max = max(len(starts) for starts in per_chunk)
+        bounds: list[int] = []
+        for k, starts in enumerate(per_chunk):
+            bounds += starts + [(k + 1) * chunk] * (s_max - len(starts))
+        bounds.append(padded)
+        # unmasked elements per segment: differences of the running mask count at the bounds
+        running = torch.cat([mask.new_zeros(1), mask.cumsum(0, dtype=torch.float64)])
+        at = running[torch.tensor(bounds, device=device)]
+        counts = (at[1:] - at[:-1]).to(torch.float32)
+        return cls(numel, world_size, chunk, s_max, tuple(bounds), counts, mask, fully_unmasked)

@@ -52,6 +52,24 @@ def _comm_checks(rank, world, sizes):
     out["masked_we"] = we.clone()
     out["masked_se"] = se.clone()
 
+    # Reference check: segments, a caller mask and several rounds of error feedback, against a
+    # single-process re-computation of the algorithm in the test (see _reference_rounds).
+    n = 1003
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[100:140] = False
+    layout = ChunkLayout.from_mask(n, world, keep, segment_starts=[17, 100, 500, 501, 900])
+    we, se = torch.zeros(layout.padded), torch.zeros(layout.chunk)
+    ref_inputs, ref_outputs = [], []
+    for t in range(6):
+        x = torch.randn(n, generator=g) * (1 + t) * torch.linspace(0.01, 3, n)
+        ref_inputs.append(x)
+        buf = torch.zeros(layout.padded)
+        buf[:n] = x
+        ref_outputs.append(comm.compressed_allreduce(buf, we, se, layout))
+    out["ref_inputs"] = torch.stack(ref_inputs)
+    out["ref_outputs"] = torch.stack(ref_outputs)
+    out["ref_we"], out["ref_se"] = we.clone(), se.clone()
+
     # Non-finite input on rank 1 only: NaN everywhere, error buffers untouched, then recovery.
     n = 64
     layout = ChunkLayout.from_mask(n, world)
@@ -105,6 +123,73 @@ def test_result_is_bit_identical_on_every_rank(world_results):
     for r in res[1:]:
         for a, b in zip(res[0]["inflight"], r["inflight"]):
             assert torch.equal(a, b)
+
+
+def _reference_rounds(inputs, world, keep, starts):
+    """The two-stage error-compensated 1-bit average, written out plainly for ``world`` simulated ranks.
+
+    ``inputs[r][t]`` is rank r's vector at round t. Segments are cut at ``starts`` and at chunk
+    starts; a segment's scale is the RMS of its unmasked elements; sign(+0.0) = +1, sign(-0.0) = -1.
+    Returns the outputs of every round and every rank's final worker and server errors.
+    """
+    n = keep.numel()
+    quantum = 8 * world
+    padded = -(-n // quantum) * quantum
+    chunk = padded // world
+    mask = torch.zeros(padded, dtype=torch.bool)
+    mask[:n] = keep
+    cuts = sorted(set(starts) | {k * chunk for k in range(world)} | {padded})
+
+    def compress(v, offset):
+        """C[v] for v holding positions offset .. offset + len(v) of the padded vector."""
+        res = torch.zeros_like(v)
+        edges = [c - offset for c in cuts if offset <= c <= offset + v.numel()]
+        for a, b in zip(edges[:-1], edges[1:]):
+            m = mask[offset + a : offset + b]
+            seg = v[a:b] * m
+            count = int(m.sum())
+            scale = seg.norm() / math.sqrt(count) if count else torch.tensor(0.0)
+            res[a:b] = torch.where(torch.signbit(seg), -scale, scale)
+        return res
+
+    we = [torch.zeros(padded) for _ in range(world)]
+    se = [torch.zeros(chunk) for _ in range(world)]
+    outputs = []
+    for t in range(len(inputs[0])):
+        compressed = []
+        for r in range(world):
+            y = torch.zeros(padded)
+            y[:n] = inputs[r][t]
+            y = (y + we[r]) * mask
+            c = compress(y, 0)
+            we[r] = (y - c) * mask
+            compressed.append(c)
+        result = torch.zeros(padded)
+        for k in range(world):
+            part = slice(k * chunk, (k + 1) * chunk)
+            z = (sum(c[part] for c in compressed) / world + se[k]) * mask[part]
+            cz = compress(z, k * chunk)
+            se[k] = (z - cz) * mask[part]
+            result[part] = cz * mask[part]
+        outputs.append(result)
+    return torch.stack(outputs), we, se
+
+
+def test_matches_a_plain_reference_implementation(world_results):
+    world, res = world_results
+    n = 1003
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[100:140] = False
+    outputs, we, se = _reference_rounds([r["ref_inputs"] for r in res], world, keep, [17, 100, 500, 501, 900])
+    # Same maths, different order of float operations: equal to float32 rounding.
+    assert torch.allclose(res[0]["ref_outputs"], outputs, rtol=1e-5, atol=1e-6)
+    for r in range(world):
+        assert torch.allclose(res[r]["ref_we"], we[r], rtol=1e-5, atol=1e-5)
+        assert torch.allclose(res[r]["ref_se"], se[r], rtol=1e-5, atol=1e-5)
+    # and the reference's outputs are far from trivial: they track the exact mean over rounds
+    exact = sum(r["ref_inputs"] for r in res) / world
+    assert (outputs[:, :n] * keep).abs().sum() > 0
+    assert not torch.allclose(outputs[:, :n] * keep, exact * keep, atol=1e-2)
 
 
 def test_exact_allreduce_is_the_mean(world_results):

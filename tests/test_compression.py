@@ -5,6 +5,9 @@ from hypothesis import strategies as st
 
 from hf_zeroone.compression import (
     ChunkLayout,
+    _pack_signs_torch,
+    compression_error,
+    decompress,
     pack_signs,
     padded_length,
     segment_scales,
@@ -33,29 +36,46 @@ def test_padded_length_rejects_bad_input():
         padded_length(8, 0)
 
 
+def _expected_signs(x: torch.Tensor) -> torch.Tensor:
+    """+1 where the sign bit is clear (including +0.0), -1 where it is set (including -0.0)."""
+    return torch.where(torch.signbit(x), -1.0, 1.0)
+
+
 @settings(max_examples=200, deadline=None)
 @given(nbytes=st.integers(min_value=0, max_value=300), seed=st.integers(0, 2**31 - 1))
-def test_pack_unpack_round_trip(nbytes, seed):
+def test_pack_unpack_round_trip_and_both_pack_paths_agree(nbytes, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(nbytes * 8, generator=g)
-    x[torch.rand(x.shape, generator=g) < 0.1] = 0.0  # zeros count as +1
+    x[torch.rand(x.shape, generator=g) < 0.1] = 0.0
+    x[torch.rand(x.shape, generator=g) < 0.1] = -0.0
     packed = pack_signs(x)
     assert packed.dtype == torch.uint8 and packed.numel() == nbytes
-    signs = unpack_signs(packed)
-    expected = torch.where(x >= 0, 1.0, -1.0)
-    assert torch.equal(signs, expected)
+    # the NumPy path (CPU) and the torch-only path (other devices) give the same bytes
+    assert torch.equal(_pack_signs_torch(x), packed)
+    assert torch.equal(unpack_signs(packed), _expected_signs(x))
+    # the torch-only unpack path (dtypes NumPy lacks) decodes the same signs
+    assert torch.equal(unpack_signs(packed, torch.bfloat16).float(), _expected_signs(x))
 
 
 def test_pack_bit_order_first_element_is_most_significant():
     x = torch.tensor([1.0, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 1])
     assert pack_signs(x).tolist() == [128, 1]
+    assert _pack_signs_torch(x).tolist() == [128, 1]
+
+
+def test_pack_reads_the_sign_bit_of_zeros():
+    x = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -1.0, 0.0, 0.0])
+    assert pack_signs(x).tolist() == [0b10101011]
 
 
 def test_pack_batched_rows_and_dtypes():
-    x = torch.randn(3, 16, dtype=torch.bfloat16)
-    packed = pack_signs(x)
-    assert packed.shape == (3, 2)
-    assert torch.equal(unpack_signs(packed, torch.float64), torch.where(x >= 0, 1.0, -1.0).double())
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        x = torch.randn(3, 16, dtype=dtype)
+        packed = pack_signs(x)
+        assert packed.shape == (3, 2)
+        assert torch.equal(_pack_signs_torch(x), packed)
+        assert torch.equal(unpack_signs(packed, torch.float64), _expected_signs(x).double())
+    assert unpack_signs(torch.zeros(3, 2, dtype=torch.uint8)).shape == (3, 16)
 
 
 def test_pack_rejects_partial_bytes_and_unpack_rejects_non_bytes():
@@ -67,9 +87,36 @@ def test_pack_rejects_partial_bytes_and_unpack_rejects_non_bytes():
 
 def test_segment_scales_ignore_masked_entries_and_empty_segments():
     x = torch.tensor([3.0, 4.0, 0.0, 0.0, 1.0, 1.0])
-    ids = torch.tensor([0, 0, 0, 2, 2, 2])
-    scales = segment_scales(x, ids, torch.tensor([2.0, 0.0, 3.0]))
+    # segments [0, 3) with 2 unmasked elements, [3, 3) empty, [3, 6) with 3
+    scales = segment_scales(x, (0, 3, 3, 6), torch.tensor([2.0, 0.0, 3.0]))
     assert torch.allclose(scales, torch.tensor([5.0 / 2**0.5, 0.0, (2.0 / 3.0) ** 0.5]))
+    with pytest.raises(ValueError, match="bounds must run from 0 to 6"):
+        segment_scales(x, (0, 3, 5), torch.tensor([2.0, 3.0]))
+    with pytest.raises(ValueError, match="one entry more than the 3 segments"):
+        segment_scales(x, (0, 3, 6), torch.tensor([2.0, 0.0, 3.0]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    cuts=st.lists(st.integers(0, 64), max_size=6),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_error_is_input_minus_decompressed_signs_exactly(cuts, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, generator=g) * torch.rand(64, generator=g) * 10
+    x[::7] = -0.0
+    bounds = (0, *sorted(cuts), 64)
+    counts = torch.tensor([float(b - a) for a, b in zip(bounds[:-1], bounds[1:])])
+    scales = segment_scales(x, bounds, counts)
+    for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if b > a:
+            assert torch.allclose(scales[j], x[a:b].norm() / (b - a) ** 0.5)
+    approx = decompress(pack_signs(x), scales, bounds)
+    # C[x] = copysign(scale, x) on each segment, the signs being the ones that were packed
+    for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        assert torch.equal(approx[a:b], torch.copysign(scales[j].expand(b - a), x[a:b]))
+    error = compression_error(x, scales, bounds, out=torch.empty_like(x))
+    assert torch.equal(error, x - approx)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -84,7 +131,7 @@ def test_layout_masks_padding_and_counts_real_elements(n, world_size):
     assert layout.fully_unmasked
     if n:  # with no segment starts, one segment per chunk
         assert layout.segments_per_chunk == 1
-        assert torch.equal(layout.segment_ids, torch.arange(world_size).repeat_interleave(layout.chunk))
+        assert layout.bounds == tuple(k * layout.chunk for k in range(world_size + 1))
 
 
 def test_layout_segments_split_at_tensor_starts_and_chunk_starts():
@@ -92,13 +139,15 @@ def test_layout_segments_split_at_tensor_starts_and_chunk_starts():
     layout = ChunkLayout.from_mask(32, 2, segment_starts=[0, 5, 25])
     assert layout.chunk == 16 and layout.segments_per_chunk == 2
     # chunk 0: [0,5) [5,16); chunk 1: [16,25) [25,32)
-    expected = [0] * 5 + [1] * 11 + [2] * 9 + [3] * 7
-    assert layout.segment_ids.tolist() == expected
+    assert layout.bounds == (0, 5, 16, 25, 32)
     assert layout.segment_counts.tolist() == [5.0, 11.0, 9.0, 7.0]
-    assert layout.chunk_segment_ids(1).tolist() == [0] * 9 + [1] * 7
-    # a chunk with fewer segments leaves unused (empty) slots
+    assert layout.chunk_bounds(1) == (0, 9, 16)
+    assert layout.chunk_segment_counts(1).tolist() == [9.0, 7.0]
+    # a chunk with fewer segments ends with empty ones
     layout = ChunkLayout.from_mask(20, 2, segment_starts=[3, 6])  # chunks of 16: 3 segments | 1
     assert layout.segments_per_chunk == 3
+    assert layout.bounds == (0, 3, 6, 16, 32, 32, 32)
+    assert layout.chunk_bounds(1) == (0, 16, 16, 16)
     assert layout.segment_counts.tolist() == [3.0, 3.0, 10.0, 4.0, 0.0, 0.0]
 
 

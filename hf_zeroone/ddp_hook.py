@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from hf_zeroone._tensors import all_finite
 from hf_zeroone.optim import CompressedAdamBase, StepKind
 
 __all__ = ["ZeroOneHookState", "register_zeroone_hook", "zeroone_hook"]
@@ -117,7 +118,7 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
 
 def _agree_on_overflow(opt: CompressedAdamBase, buffer: Tensor) -> torch.futures.Future:
     """Make a non-finite gradient on any rank visible on all (local steps, fp16)."""
-    flag = (~torch.isfinite(buffer)).any().to(torch.float32).reshape(1)
+    flag = torch.tensor([0.0 if all_finite([buffer]) else 1.0], device=buffer.device)
     fut = opt.comm.allreduce_mean_async(flag)
 
     def mark(f: torch.futures.Future) -> Tensor:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from hf_zeroone._tensors import all_finite
 from hf_zeroone.comm import CommStats, Communicator
 from hf_zeroone.compression import ChunkLayout
 
@@ -528,7 +529,7 @@ class CompressedAdamBase(Optimizer):
         for _, _, value in updates:
             if value.is_sparse:
                 raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-        if not all(bool(torch.isfinite(v).all()) for _, _, v in updates):
+        if not all_finite(v for _, _, v in updates):
             if kind.communicates_in_backward:
                 # Every rank holds the same combined values, so every rank skips together.
                 warnings.warn(

@@ -138,7 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup_steps",
         type=int,
         default=10,
-        help="LR warm-up; also 1-bit Adam freeze_step, 0/1 Adam exact_warmup_steps, PowerSGD start_powerSGD_iter",
+        help="LR warm-up; also 1-bit Adam freeze_step and PowerSGD start_powerSGD_iter",
+    )
+    sched.add_argument(
+        "--zeroone_exact_warmup_steps",
+        type=int,
+        default=None,
+        help="0/1 Adam exact_warmup_steps (default: --warmup_steps, as ZeroOneTrainer does; 0 is the paper's "
+        "and DeepSpeed's schedule, with no full-precision steps beyond the variance steps)",
     )
     sched.add_argument("--var_freeze_step", type=int, default=20, help="0/1 Adam: first local-step phase step")
     sched.add_argument("--var_update_scaler", type=int, default=2, help="0/1 Adam: var_update_scaler")
@@ -166,6 +173,10 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
     if args.vocab <= FIRST_WORD_ID + 4:
         raise SystemExit(f"--vocab must be > {FIRST_WORD_ID + 4}")
+    if args.zeroone_exact_warmup_steps is None:
+        args.zeroone_exact_warmup_steps = args.warmup_steps
+    if args.zeroone_exact_warmup_steps < 0:
+        raise SystemExit("--zeroone_exact_warmup_steps must be >= 0")
     if "powersgd" in methods and args.warmup_steps < 2:
         raise SystemExit("--warmup_steps must be >= 2 with powersgd (start_powerSGD_iter > 1 is required)")
     if args.skip_steps < 0 or args.skip_steps >= min(args.steps, args.nocomm_steps):
@@ -458,7 +469,8 @@ def phase_ranges(method: str, cfg: dict[str, Any], n_steps: int) -> list[tuple[s
     elif method == "onebit":
         cuts = [("warm-up", 0, w), ("compression", w, n_steps)]
     elif method == "zeroone":
-        cuts = [("warm-up", 0, min(w, v)), ("compression", min(w, v), v), ("local", v, n_steps)]
+        e = min(cfg["zeroone_exact_warmup_steps"], v)
+        cuts = [("warm-up", 0, e), ("compression", e, v), ("local", v, n_steps)]
     else:
         cuts = [("all", 0, n_steps)]
     out = []
@@ -581,7 +593,7 @@ def run_method(
             var_update_scaler=cfg["var_update_scaler"],
             local_step_scaler=cfg["local_step_scaler"],
             local_step_clipper=cfg["local_step_clipper"],
-            exact_warmup_steps=cfg["warmup_steps"],
+            exact_warmup_steps=cfg["zeroone_exact_warmup_steps"],
         )
         register_zeroone_hook(ddp, opt)
     else:
@@ -1005,7 +1017,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines.append(
         f"- schedule: {a['steps']} steps (no-communication reference: {a['nocomm_steps']}), lr {a['lr']} with "
         f"{a['warmup_steps']} warm-up steps; 1-bit Adam freeze_step {a['warmup_steps']}; 0/1 Adam "
-        f"exact_warmup_steps {a['warmup_steps']}, var_freeze_step {a['var_freeze_step']}, var_update_scaler "
+        f"exact_warmup_steps {a.get('zeroone_exact_warmup_steps', a['warmup_steps'])}, "
+        f"var_freeze_step {a['var_freeze_step']}, var_update_scaler "
         f"{a['var_update_scaler']}, local_step_scaler {a['local_step_scaler']}, local_step_clipper "
         f"{a['local_step_clipper']}; PowerSGD rank {a['powersgd_rank']}, start_powerSGD_iter "
         f"{max(2, a['warmup_steps'])}; timings leave out the first {a['skip_steps']} steps"

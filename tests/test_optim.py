@@ -298,6 +298,24 @@ def test_user_momentum_mask_is_combined():
     ]
 
 
+def test_masked_elements_do_not_move_on_local_steps():
+    """An element with no gradient before the mask was built stays out of local steps (its v is 0)."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = ZeroOneAdam([p], lr=0.01, var_freeze_step=3, var_update_scaler=1, local_step_scaler=1)
+    kinds = []
+    for step in range(10):
+        kinds.append(opt.next_step_kind())
+        # element 3 has no gradient during the variance phase, then a large one
+        p.grad = torch.tensor([1.0, -1.0, 0.5, 0.0 if step < 3 else 5.0])
+        opt.step()
+        assert torch.isfinite(p).all()
+    assert StepKind.LOCAL in kinds and StepKind.ONEBIT_SYNC in kinds
+    assert opt.state[p]["momentum_mask"].tolist() == [True, True, True, False]
+    assert p[3].item() == 1.0  # without the mask: 1 - lr * m / eps, about -5e5
+    assert opt.state[p]["exp_avg"][3].item() == 0.0
+    assert (p[:3] != 1.0).all()
+
+
 def test_non_finite_gradient_on_a_local_step_is_an_error():
     p = torch.nn.Parameter(torch.ones(3))
     opt = ZeroOneAdam([p], var_freeze_step=1, local_step_clipper=4, local_step_scaler=1)

@@ -318,6 +318,11 @@ class CompressedAdamBase(Optimizer):
 
         # An implied gradient (ONEBIT_MOMENTUM) already carries the L2 term of the message.
         g = result if kind is StepKind.ONEBIT_MOMENTUM else self._l2_gradient(group, p, result)
+        if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC) and "momentum_mask" in state:
+            # Masked elements stay out of local steps as they stay out of compression: their
+            # momentum stays zero. (Their v is usually zero too, so m / (sqrt(v) + eps) would
+            # move them by up to lr * (1 - beta1) * g / eps, and every sync would undo it.)
+            g = g * state["momentum_mask"]
         exp_avg.lerp_(g, 1.0 - beta1)
         if kind is StepKind.EXACT:
             exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
@@ -361,7 +366,7 @@ class CompressedAdamBase(Optimizer):
             return kind
         for _, p in self.trainable_params():
             self._init_state(p)
-        if kind.compressed and not self.schedule["masks_ready"]:
+        if (kind.compressed or kind is StepKind.LOCAL) and not self.schedule["masks_ready"]:
             self._build_momentum_masks()
         if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC) and not self.schedule.get("local_phase_started", True):
             self._start_local_phase()

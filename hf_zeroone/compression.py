@@ -172,10 +172,10 @@ def decompress(packed: Tensor, scales: Tensor, bounds: Sequence[int]) -> Tensor:
     """``C[x]`` from its packed signs and segment scales: a new flat float32 tensor."""
     out = unpack_signs(packed).reshape(-1)
     _check_bounds(out, scales, bounds)
-    views = [v for v in _segments(out, bounds) if v.numel()]
-    factors = [s for s, v in zip(scales.unbind(), _segments(out, bounds)) if v.numel()]
-    if views:
-        torch._foreach_mul_(views, factors)
+    pairs = [(view, scale) for view, scale in zip(_segments(out, bounds), scales.unbind()) if view.numel()]
+    if pairs:
+        views, factors = zip(*pairs)
+        torch._foreach_mul_(list(views), list(factors))
     return out
 
 

@@ -808,6 +808,8 @@ def summarize_method(rec: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]
             loss_at[str(s)] = loss_curve[s - 1]
     if str(n) not in loss_at:
         loss_at[str(n)] = loss_curve[-1]
+    # single-step losses are noisy: the mean over the last tenth of the run compares methods better
+    last_tenth = loss_curve[-max(1, n // 10) :]
     acc_cum, total = [], 0.0
     for s in range(n):
         total += sum(r["acc_bytes"][s] for r in rec["ranks"]) / world
@@ -828,6 +830,7 @@ def summarize_method(rec: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]
         "whole_run": whole,
         "step_kinds": kinds,
         "loss_at": loss_at,
+        "loss_last_tenth": statistics.fmean(last_tenth),
         "curves": {"loss": loss_curve, "accounted_bytes_cum_per_rank": acc_cum, "wire_bytes_cum_per_rank": wire_cum},
     }
 
@@ -1045,9 +1048,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     head = (
         "| link | method | wire B/step (run) | accounted B/step (run) | wire/acc | main-phase wire B/step | "
         "fp32 ÷ main | collectives/step (run) | step ms warm-up / compr. / local | samples/s run / main | "
-        f"loss @ {' / '.join(map(str, loss_steps))} |"
+        f"loss @ {' / '.join(map(str, loss_steps))} | mean loss, last 10% of steps |"
     )
-    lines += [head, "|" + "---|" * 2 + "---:|" * 9]
+    lines += [head, "|" + "---|" * 2 + "---:|" * 10]
     for c in report["configs"]:
         fp32 = c["methods"].get("ddp_fp32")
         for m in c["methods"].values():
@@ -1068,14 +1071,15 @@ def render_markdown(report: dict[str, Any]) -> str:
                 ms = [None, w["median_step_ms"], None]
             step_ms = " / ".join("–" if x is None else f"{x:.0f}" for x in ms)
             losses = " / ".join(_fmt(m["loss_at"].get(str(s)), ".3f") for s in loss_steps)
+            final = _fmt(m.get("loss_last_tenth"), ".3f")
             if m["method"] == "nocomm":
-                losses = "– (replicas never synchronise)"
+                losses, final = "– (replicas never synchronise)", "–"
             ratio = _fmt(w["wire_over_accounted"], ".3f")
             lines.append(
                 f"| {c['rate']} | {m['label']} | {_fmt_bytes(w['wire_bytes_per_step_per_rank'])} | "
                 f"{_fmt_bytes(w['accounted_bytes_per_step_per_rank'])} | {ratio} | {_fmt_bytes(main_bytes)} | "
                 f"{factor} | {_fmt(w['collectives_per_step'], '.2f')} | {step_ms} | "
-                f"{_fmt(w['samples_per_s'], '.1f')} / {_fmt(main['samples_per_s'], '.1f')} | {losses} |"
+                f"{_fmt(w['samples_per_s'], '.1f')} / {_fmt(main['samples_per_s'], '.1f')} | {losses} | {final} |"
             )
     lines += ["", "## Targets (goals from the issue, not asserts)", ""]
     lines += [f"- **{t['status']}** {t['text']}" for t in report["targets"]]

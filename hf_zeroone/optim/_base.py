@@ -295,16 +295,21 @@ class CompressedAdamBase(Optimizer):
             return
         beta1 = group["betas"][0]
         g = self._l2_gradient(group, p, grad)
-        out.copy_(state["exp_avg"]).mul_(beta1).add_(g, alpha=1.0 - beta1)
+        m = state["exp_avg"]
+        if m.dtype == out.dtype and g.dtype == out.dtype:
+            torch.lerp(m, g, 1.0 - beta1, out=out)  # one pass; the same operation as the update in _apply
+        else:
+            out.copy_(m).lerp_(g.to(out.dtype), 1.0 - beta1)
 
     def implied_gradient(self, group: dict[str, Any], p: Tensor, combined_momentum: Tensor) -> Tensor:
         """Turn a combined momentum into the gradient it implies, in place in ``combined_momentum``.
 
-        ``g = (m' - beta1 * m) / (1 - beta1)``, so that ``beta1 * m + (1 - beta1) * g == m'``.
+        ``g = (m' - beta1 * m) / (1 - beta1)``, so that ``beta1 * m + (1 - beta1) * g == m'``. Computed
+        in one pass as ``m + (m' - m) / (1 - beta1)`` (a lerp from ``m`` past ``m'``).
         """
         beta1 = group["betas"][0]
-        m = self.state[p]["exp_avg"]
-        return combined_momentum.sub_(m.to(combined_momentum.dtype), alpha=beta1).div_(1.0 - beta1)
+        m = self.state[p]["exp_avg"].to(combined_momentum.dtype)
+        return torch.lerp(m, combined_momentum, 1.0 / (1.0 - beta1), out=combined_momentum)
 
     def _apply(self, group: dict[str, Any], p: Tensor, result: Tensor, kind: StepKind) -> None:
         """Update ``p`` and its state from the combined ``result`` (or the local gradient)."""

@@ -143,3 +143,43 @@ def test_three_ranks_stay_identical():
     res = run_ranks(_three_rank, 3, timeout=200)
     for name in ("onebit", "zeroone"):
         assert torch.equal(res[0][name], res[1][name]) and torch.equal(res[0][name], res[2][name])
+
+
+def _sync_kicks(rank, world):
+    """0/1 Adam with one element whose variance is 1e-8 times the others': how far does a sync move it?"""
+    import torch
+
+    from hf_zeroone import StepKind, ZeroOneAdam
+
+    torch.manual_seed(rank)
+    p = torch.nn.Parameter(torch.zeros(64))
+    # exact steps until the local phase, so nothing but the syncs is compressed
+    opt = ZeroOneAdam([p], lr=1e-3, var_freeze_step=4, exact_warmup_steps=4, local_step_scaler=1, local_step_clipper=8)
+    scale = torch.ones(64)
+    scale[0] = 1e-4  # Adam normalises: every element's own update is about lr per step
+    moves, local_moves = [], []
+    for _ in range(40):
+        before = p.detach().clone()
+        p.grad = (1.0 + 0.1 * torch.randn(64)) * scale
+        opt.step()
+        move = (p.detach() - before).abs()
+        if opt.last_step_kind is StepKind.ONEBIT_SYNC:
+            moves.append(move)
+        elif opt.last_step_kind is StepKind.LOCAL:
+            local_moves.append(move)
+    return {"sync_moves": torch.stack(moves), "local_moves": torch.stack(local_moves)}
+
+
+def test_a_sync_moves_a_low_variance_element_no_more_than_the_others():
+    """The 1-bit sync of 0/1 Adam works on the parameter displacement, not on the momentum.
+
+    Compressed in momentum space, the element with the tiny variance would get the segment's
+    momentum magnitude divided by its own tiny denominator: a kick of about 1e4 times its update.
+    """
+    res = run_ranks(_sync_kicks, 2, timeout=120)
+    for r in res:
+        sync, local = r["sync_moves"], r["local_moves"]
+        assert len(sync) >= 4 and len(local) >= 4
+        # a sync moves every element by at most the sync gap (8) times a few lr-sized steps
+        assert sync.max().item() < 8 * 3 * 1e-3, sync.max().item()
+        assert sync[:, 0].max().item() < 3 * sync[:, 1:].max().item()

@@ -291,7 +291,7 @@ class CompressedAdamBase(Optimizer):
             return
         state = self.state[p]
         if kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
-            out.copy_(state["momentum_accumulator"])
+            out.copy_(state["update_accumulator"])
             return
         beta1 = group["betas"][0]
         g = self._l2_gradient(group, p, grad)
@@ -336,20 +336,20 @@ class CompressedAdamBase(Optimizer):
         denom = exp_avg_sq.sqrt().div_(math.sqrt(c2)).add_(eps)
         p.addcdiv_(exp_avg, denom, value=-lr / c1)
         if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
-            state["momentum_accumulator"].add_(exp_avg, alpha=lr / c1)
+            state["update_accumulator"].addcdiv_(exp_avg, denom, value=lr / c1)
             state["lr_sum"] += lr
             state["decay_prod"] *= decay
 
     def _apply_sync(self, group: dict[str, Any], p: Tensor, combined_u: Tensor, kind: StepKind) -> None:
-        """Back to the last synced parameters, then the averaged accumulated update."""
+        """Back to the last synced parameters, then the averaged accumulated update (in parameter space)."""
         state = self.state[p]
         c1, c2 = self._coefficients(group, kind)
-        denom = state["exp_avg_sq"].sqrt().div_(math.sqrt(c2)).add_(group["eps"])
         combined_u = combined_u.to(p.dtype)
-        p.copy_(state["sync_param"]).mul_(state["decay_prod"]).addcdiv_(combined_u, denom, value=-1.0)
+        p.copy_(state["sync_param"]).mul_(state["decay_prod"]).sub_(combined_u)
         if state["lr_sum"] > 0:
-            state["exp_avg"].copy_(combined_u).mul_(c1 / state["lr_sum"])
-        state["momentum_accumulator"].zero_()
+            denom = state["exp_avg_sq"].sqrt().div_(math.sqrt(c2)).add_(group["eps"])
+            state["exp_avg"].copy_(combined_u).mul_(denom).mul_(c1 / state["lr_sum"])
+        state["update_accumulator"].zero_()
         state["sync_param"].copy_(p)
         state["lr_sum"], state["decay_prod"] = 0.0, 1.0
 
@@ -402,7 +402,7 @@ class CompressedAdamBase(Optimizer):
         for _, p in self.trainable_params():
             state = self.state[p]
             state["sync_param"] = p.detach().clone()
-            state["momentum_accumulator"] = torch.zeros_like(p)
+            state["update_accumulator"] = torch.zeros_like(p)
             state["lr_sum"], state["decay_prod"] = 0.0, 1.0
             # The errors so far belong to compressed gradients, not to u (as DeepSpeed does).
             for key in ("worker_error", "server_error"):
@@ -621,6 +621,12 @@ class CompressedAdamBase(Optimizer):
                 k: {n: v for n, v in s.items() if n not in ("worker_error", "server_error")}
                 for k, s in state_dict["state"].items()
             }
+        if any("momentum_accumulator" in s for s in state_dict["state"].values()):
+            raise ValueError(
+                "this checkpoint comes from an earlier development version of hf_zeroone whose 0/1 Adam "
+                "accumulated local updates in momentum space ('momentum_accumulator'); it cannot be resumed "
+                "exactly. Resume from a checkpoint taken before var_freeze_step, or start the optimizer afresh."
+            )
         super().load_state_dict(state_dict)
         for state in self.state.values():
             if "momentum_mask" in state:

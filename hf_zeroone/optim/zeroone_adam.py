@@ -78,7 +78,9 @@ class ZeroOneAdam(CompressedAdamBase):
             sends 1-bit gradients from its second variance gap on; in short fine-tuning or
             language-model runs that can stall on an early plateau that Adam escapes. Exact
             communication through the LR warm-up (e.g. the first 10% of steps) fixes it for a few
-            percent more bytes. ``0`` (the default) is the paper's and DeepSpeed's schedule.
+            percent more bytes. ``0`` (the default) is the paper's and DeepSpeed's schedule; in a
+            1,000-step BERT MLM benchmark with small batches it diverged late in the local phase
+            while exact warm-up tracked AdamW (``docs/benchmark.md``).
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
         communicator, check_replicas_every: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
     """

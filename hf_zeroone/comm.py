@@ -34,10 +34,12 @@ error, not a hang.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -140,8 +142,11 @@ class _SerialExecutor:
         self._jobs.put((job, fut))
         return fut
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop after the jobs already submitted; wait up to ``timeout`` seconds for the thread."""
         self._jobs.put(None)
+        if timeout is not None and not self.on_worker_thread():
+            self._thread.join(timeout)
 
 
 class _Collectives:
@@ -224,6 +229,15 @@ def _group_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
     return None
 
 
+_LIVE_COMMUNICATORS: weakref.WeakSet[Communicator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_communicators_at_exit() -> None:
+    for comm in list(_LIVE_COMMUNICATORS):
+        comm.close()
+
+
 class Communicator:
     """Exact and 1-bit compressed allreduce over a process group, with byte accounting.
 
@@ -264,6 +278,7 @@ class Communicator:
         else:
             self._coll = _Collectives(process_group if process_group is not None else dist.group.WORLD, raw=False)
         self._executor = _SerialExecutor(f"hf_zeroone-comm-rank{self.rank}")
+        _LIVE_COMMUNICATORS.add(self)
 
     @classmethod
     def local(cls) -> Communicator:
@@ -279,6 +294,8 @@ class Communicator:
 
     # ------------------------------------------------------------------ scheduling
     def _submit(self, job: Callable[[], Tensor]) -> torch.futures.Future:
+        if getattr(self, "_closed", False):
+            raise RuntimeError("this hf_zeroone Communicator was closed; create a new one (or a new optimizer)")
         if self._executor is None:
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result(job())
@@ -290,10 +307,17 @@ class Communicator:
         return self._executor.submit(job)
 
     def close(self) -> None:
-        """Stop the background thread (the process group itself is left to its owner)."""
+        """Stop the background thread and release the dedicated process group.
+
+        Called for every live communicator at interpreter exit, so that no gloo group is torn
+        down after the interpreter (gloo's threads then abort the process).
+        """
         if self._executor is not None:
-            self._executor.shutdown()
+            self._executor.shutdown(timeout=10.0)
             self._executor = None
+        if self._coll is not None:
+            self._coll = None
+            self._closed = True
 
     # ------------------------------------------------------------------ exact allreduce
     def allreduce_mean_async(self, tensor: Tensor) -> torch.futures.Future:

@@ -106,6 +106,11 @@ def _comm_checks(rank, world, sizes):
     empty = comm.compressed_allreduce(torch.zeros(0), torch.zeros(0), torch.zeros(0), layout)
     out["empty"] = (empty.numel(), (comm.stats - before).as_dict())
     comm.close()
+    try:
+        comm.allreduce_mean(torch.ones(3))
+        out["after_close"] = "no error"
+    except RuntimeError as exc:
+        out["after_close"] = str(exc)
     return out
 
 
@@ -254,6 +259,12 @@ def test_empty_input_sends_nothing(world_results):
     world, res = world_results
     numel, stats = res[0]["empty"]
     assert numel == 0 and stats["bytes_sent"] == 0 and stats["collectives"] == 0
+
+
+def test_a_closed_communicator_refuses_work_with_a_clear_error(world_results):
+    world, res = world_results
+    for r in res:
+        assert "Communicator was closed" in r["after_close"]
 
 
 def test_single_process_communicator_is_local_and_free():

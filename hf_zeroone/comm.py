@@ -264,6 +264,7 @@ class Communicator:
         self.stats = CommStats()
         self._executor: _SerialExecutor | None = None
         self._coll: _Collectives | None = None
+        self._closed = False
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None:
                 raise ValueError("process_group was given but torch.distributed is not initialized")
@@ -284,7 +285,7 @@ class Communicator:
     def local(cls) -> Communicator:
         """A single-process communicator even when ``torch.distributed`` is initialised (sends nothing)."""
         comm = cls.__new__(cls)
-        comm.stats, comm._executor, comm._coll = CommStats(), None, None
+        comm.stats, comm._executor, comm._coll, comm._closed = CommStats(), None, None, False
         comm.world_size, comm.rank = 1, 0
         return comm
 
@@ -294,7 +295,7 @@ class Communicator:
 
     # ------------------------------------------------------------------ scheduling
     def _submit(self, job: Callable[[], Tensor]) -> torch.futures.Future:
-        if getattr(self, "_closed", False):
+        if self._closed:
             raise RuntimeError("this hf_zeroone Communicator was closed; create a new one (or a new optimizer)")
         if self._executor is None:
             fut: torch.futures.Future = torch.futures.Future()

@@ -14,6 +14,9 @@ _EXPORTS = {
     "CommStatsCallback": "hf_zeroone.integrations.trainer",
     "prepare_zeroone": "hf_zeroone.integrations.accelerate_plugin",
     "check_distributed_launch": "hf_zeroone.integrations.launch",
+    "SingleProcessWarning": "hf_zeroone.integrations.launch",
+    "comm_log_entries": "hf_zeroone.integrations.stats",
+    "unwrap_optimizer": "hf_zeroone.integrations.stats",
 }
 
 __all__ = sorted(_EXPORTS)

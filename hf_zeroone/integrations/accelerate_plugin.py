@@ -11,6 +11,7 @@ Two added lines in a usual Accelerate training script::
     hook_state = prepare_zeroone(accelerator, model, optimizer)                     # 2
     ...
     accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
+    optimizer.optimizer.last_step_kind   # the hf_zeroone optimizer under Accelerate's wrapper
 
 ``prepare_zeroone`` registers :func:`hf_zeroone.ddp_hook.zeroone_hook` on the model Accelerate
 wrapped in ``DistributedDataParallel``. (Accelerate matches ``kwargs_handlers`` by exact class,
@@ -30,7 +31,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_zeroone.ddp_hook import ZeroOneHookState, register_zeroone_hook
-from hf_zeroone.integrations.launch import CPU_LAUNCH_HELP, check_distributed_launch
+from hf_zeroone.integrations.launch import CPU_LAUNCH_HELP, check_distributed_launch, warn_single_process
 from hf_zeroone.integrations.stats import unwrap_optimizer
 from hf_zeroone.optim import CompressedAdamBase
 
@@ -51,7 +52,9 @@ def prepare_zeroone(accelerator: Any, model: Any, optimizer: Any) -> ZeroOneHook
         optimizer: the prepared optimizer (an ``AcceleratedOptimizer`` around a hf_zeroone one).
 
     Returns:
-        The hook state, or ``None`` in a single process (nothing to communicate).
+        The hook state, or ``None`` in a single process (nothing to communicate; a
+        :class:`~hf_zeroone.integrations.launch.SingleProcessWarning` says so and names the
+        launch commands that start several processes).
 
     Raises:
         ValueError: FSDP / DeepSpeed / Megatron setups, or an optimizer that is not hf_zeroone's.
@@ -67,6 +70,7 @@ def prepare_zeroone(accelerator: Any, model: Any, optimizer: Any) -> ZeroOneHook
         )
     world = check_distributed_launch("prepare_zeroone")
     if accelerator.num_processes == 1 and world == 1:
+        warn_single_process("prepare_zeroone", opt, "accelerate")
         return None
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(

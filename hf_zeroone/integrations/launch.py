@@ -1,8 +1,9 @@
-"""Detect launches that silently train independent copies instead of one data-parallel job."""
+"""Launch mistakes that would otherwise go unnoticed: independent copies, or one process where several were meant."""
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch.distributed as dist
 
@@ -31,3 +32,29 @@ def check_distributed_launch(what: str = "this script") -> int:
             "alone. On a machine without GPUs tell the launcher to use the CPU.\n" + CPU_LAUNCH_HELP
         )
     return world
+
+
+class SingleProcessWarning(UserWarning):
+    """A compressed optimizer runs in a single process: it sends nothing and compresses nothing."""
+
+
+#: working launch commands, one line each, by the kind of script
+_LAUNCH_HINTS = {
+    "accelerate": "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 script.py (CPU) or "
+    "accelerate launch --num_processes N script.py (GPUs); `accelerate launch --cpu --num_processes 2` starts ONE "
+    "process",
+    "trainer": "torchrun --nproc_per_node 2 script.py --use_cpu (CPU) or torchrun --nproc_per_node N script.py (GPUs)",
+}
+
+
+def warn_single_process(what: str, optimizer: object, script: str = "accelerate") -> None:
+    """One-line :class:`SingleProcessWarning`: ``optimizer`` will train alone, as plain Adam with its schedule.
+
+    ``script`` picks the launch commands the message names: ``"accelerate"`` or ``"trainer"``.
+    """
+    warnings.warn(
+        f"{what}: a single process, so {type(optimizer).__name__} sends nothing and compresses nothing (Adam with "
+        f"its schedule); to train on several processes launch with: {_LAUNCH_HINTS[script]}",
+        SingleProcessWarning,
+        stacklevel=3,
+    )

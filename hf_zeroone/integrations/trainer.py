@@ -13,7 +13,7 @@ from transformers import Trainer, TrainerCallback
 
 from hf_zeroone.comm import CommStats
 from hf_zeroone.ddp_hook import ZeroOneHookState, register_zeroone_hook
-from hf_zeroone.integrations.launch import check_distributed_launch
+from hf_zeroone.integrations.launch import check_distributed_launch, warn_single_process
 from hf_zeroone.integrations.stats import comm_log_entries, unwrap_optimizer
 from hf_zeroone.integrations.training_args import ZeroOneTrainingArguments
 from hf_zeroone.optim import CompressedAdamBase, OneBitAdam, ZeroOneAdam
@@ -26,13 +26,20 @@ _SCHEDULER_NAME = "scheduler.pt"
 
 
 class CommStatsCallback(TrainerCallback):
-    """Registers the hf_zeroone DDP hook when training starts (the model is DDP-wrapped by then)."""
+    """Registers the hf_zeroone DDP hook when training starts (the model is DDP-wrapped by then).
+
+    In a single process it warns (:class:`~hf_zeroone.integrations.launch.SingleProcessWarning`)
+    that the compressed optimizer sends nothing, naming the launch commands that start several.
+    """
 
     def __init__(self, trainer: ZeroOneTrainer) -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - Trainer's signature
         self.trainer._install_hook()
+        opt = unwrap_optimizer(self.trainer.optimizer)
+        if isinstance(opt, CompressedAdamBase) and args.world_size == 1 and opt.comm.world_size == 1:
+            warn_single_process("ZeroOneTrainer", opt, "trainer")
         return control
 
 
@@ -69,10 +76,13 @@ class ZeroOneTrainer(Trainer):
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add communication statistics (:func:`~hf_zeroone.integrations.stats.comm_log_entries`).
 
-        Numbers only, so ``log_history`` and every ``report_to`` backend get them.
+        On every loss-logging step and in the training summary logged when ``train()`` ends (so a
+        run shorter than ``logging_steps`` has them too). Numbers only, so ``log_history`` and
+        every ``report_to`` backend get them.
         """
         opt = unwrap_optimizer(self.optimizer)
-        if isinstance(opt, CompressedAdamBase) and getattr(self.args, "log_comm_stats", True) and "loss" in logs:
+        wanted = "loss" in logs or "train_loss" in logs
+        if isinstance(opt, CompressedAdamBase) and getattr(self.args, "log_comm_stats", True) and wanted:
             logs.update(comm_log_entries(opt, self._stats_at_last_log, self._hook_state is not None))
             self._stats_at_last_log = opt.comm_stats.copy()
         super().log(logs, *args, **kwargs)

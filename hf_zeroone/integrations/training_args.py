@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 
 from transformers import TrainingArguments
 
 OPTIMIZER_CHOICES = ("adamw_torch", "onebit_adam", "zeroone_adam")
+
+#: transformers 4.x has a ``warmup_ratio`` field; 5.x dropped it (a ``warmup_steps`` below 1 is the ratio there)
+_BASE_HAS_WARMUP_RATIO = "warmup_ratio" in {f.name for f in fields(TrainingArguments)}
 
 
 @dataclass
@@ -15,9 +19,14 @@ class ZeroOneTrainingArguments(TrainingArguments):
 
     Every field is a command-line flag of ``HfArgumentParser`` and a key of a JSON config. Names of
     the schedule fields follow DeepSpeed. Steps left at ``None`` are derived from the LR warm-up
-    ``W`` (``warmup_steps``, or ``warmup_ratio`` of the training steps; 10% of the training steps
-    when both are 0): ``freeze_step = W`` for 1-bit Adam; ``exact_warmup_steps = W`` and
+    ``W`` (the number of warm-up steps the LR scheduler uses; 10% of the training steps when there
+    is no warm-up): ``freeze_step = W`` for 1-bit Adam; ``exact_warmup_steps = W`` and
     ``var_freeze_step = 2 W`` for 0/1 Adam.
+
+    ``warmup_ratio`` works on every supported transformers version: 4.x has the field; on 5.x,
+    which dropped it (there a ``warmup_steps`` below 1 is a ratio), this class adds it and passes
+    ``warmup_ratio=r`` on as ``warmup_steps=r``. So ``warmup_ratio=0.1`` (``--warmup_ratio 0.1``)
+    and ``warmup_steps=100`` mean the same on 4.x and 5.x; ``warmup_steps=0.1`` is a ratio on 5.x only.
     """
 
     optim_compression: str = field(
@@ -72,10 +81,23 @@ class ZeroOneTrainingArguments(TrainingArguments):
     )
     log_comm_stats: bool = field(
         default=True,
-        metadata={"help": "Add communication statistics (bytes, ratio vs fp32, phase) to the training logs."},
+        metadata={
+            "help": "Add communication statistics (bytes, ratio vs fp32, phase) to the training logs: on every "
+            "loss-logging step and in the final training summary."
+        },
     )
+    if not _BASE_HAS_WARMUP_RATIO:  # transformers >= 5: keep the 4.x flag working
+        warmup_ratio: float = field(
+            default=0.0,
+            metadata={
+                "help": "Fraction of the training steps used for a linear LR warm-up, in [0, 1) (passed on as "
+                "warmup_steps, which takes a ratio below 1 on this transformers version)."
+            },
+        )
 
     def __post_init__(self) -> None:
+        if not _BASE_HAS_WARMUP_RATIO:
+            self._warmup_ratio_to_steps()
         super().__post_init__()
         if self.optim_compression not in OPTIMIZER_CHOICES:
             raise ValueError(
@@ -90,6 +112,19 @@ class ZeroOneTrainingArguments(TrainingArguments):
         for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def _warmup_ratio_to_steps(self) -> None:
+        ratio = self.warmup_ratio
+        if ratio is None or ratio == 0:
+            return
+        if not 0 < ratio < 1 or math.isnan(ratio):
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {ratio}; give a number of steps with warmup_steps")
+        if self.warmup_steps and self.warmup_steps != ratio:
+            raise ValueError(
+                f"give warmup_ratio ({ratio}) or warmup_steps ({self.warmup_steps}), not both: on transformers 5 "
+                "both set the same warm-up"
+            )
+        self.warmup_steps = ratio
 
     def compression_schedule(self, num_training_steps: int) -> dict[str, int]:
         """The optimizer keyword arguments for the schedule, with defaults derived from the warm-up."""

@@ -228,7 +228,7 @@ def test_bad_common_hyperparameters(cls, kwargs, match):
 @pytest.mark.parametrize(
     "cls, kwargs, match",
     [
-        (OneBitAdam, dict(freeze_step=-1), "freeze_step must be an integer >= 0"),
+        (OneBitAdam, dict(freeze_step=-1), "freeze_step must be an integer >= 1"),
         (OneBitAdam, dict(freeze_step=2.5), "freeze_step must be an integer"),
         (ZeroOneAdam, dict(var_freeze_step=-3), "var_freeze_step"),
         (ZeroOneAdam, dict(var_update_scaler=0), "var_update_scaler must be an integer >= 1"),

@@ -49,7 +49,8 @@ class OneBitAdam(CompressedAdamBase):
             broadcastable to its parameters, zero where the momentum is known to stay zero
             (DeepSpeed's option); combined with ``auto_momentum_mask``.
         lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
-        freeze_step: number of exact warm-up steps before compression starts.
+        freeze_step: number of exact warm-up steps before compression starts (at least 1: the
+            variance is estimated on these steps).
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
         communicator, check_replicas_every: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
 
@@ -86,7 +87,12 @@ class OneBitAdam(CompressedAdamBase):
     ) -> None:
         if amsgrad:
             raise ValueError("OneBitAdam does not support amsgrad (the variance is frozen after warm-up)")
-        _check_int("freeze_step", freeze_step, 0)
+        if isinstance(freeze_step, int) and not isinstance(freeze_step, bool) and freeze_step == 0:
+            raise ValueError(
+                "freeze_step=0 would freeze a variance that was never estimated (v = 0): nothing would "
+                "train. Use at least 1 exact step, usually the LR warm-up length (e.g. freeze_step=100)"
+            )
+        _check_int("freeze_step", freeze_step, 1)
         self.freeze_step = freeze_step
         super().__init__(
             params,

@@ -69,7 +69,7 @@ class ZeroOneAdam(CompressedAdamBase):
         params: parameters or parameter groups (a group may carry ``exp_avg_mask``, see
             :class:`OneBitAdam`).
         lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
-        var_freeze_step: first step of phase 2 (usually the end of the LR warm-up).
+        var_freeze_step: first step of phase 2 (at least 1; usually the end of the LR warm-up).
         var_update_scaler: variance updates between doublings of the variance-step gap
             (:math:`\kappa` in the paper).
         local_step_scaler: local-phase steps between doublings of the sync gap.
@@ -116,7 +116,12 @@ class ZeroOneAdam(CompressedAdamBase):
     ) -> None:
         if amsgrad:
             raise ValueError("ZeroOneAdam does not support amsgrad (the variance is updated sparsely)")
-        _check_int("var_freeze_step", var_freeze_step, 0)
+        if isinstance(var_freeze_step, int) and not isinstance(var_freeze_step, bool) and var_freeze_step == 0:
+            raise ValueError(
+                "var_freeze_step=0 would freeze a variance that was never estimated (v = 0): nothing would "
+                "train. Use at least 1, usually twice the LR warm-up length (e.g. var_freeze_step=200)"
+            )
+        _check_int("var_freeze_step", var_freeze_step, 1)
         _check_int("var_update_scaler", var_update_scaler, 1)
         _check_int("local_step_scaler", local_step_scaler, 1)
         _check_int("local_step_clipper", local_step_clipper, 1)

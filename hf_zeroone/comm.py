@@ -118,8 +118,22 @@ class _SerialExecutor:
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future] | None] = queue.SimpleQueue()
+        #: the exception of the first job that failed; after it no job runs (see :meth:`refusal`)
+        self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def refusal(self) -> RuntimeError:
+        """The error every job gets once a job has failed."""
+        assert self.failure is not None
+        err = RuntimeError(
+            "hf_zeroone: this rank's communicator stopped after a communication job failed "
+            f"({type(self.failure).__name__}: {self.failure}). Its collectives are now out of step with the "
+            "other ranks (they end at their collective timeout), so it refuses all further work. Fix the cause "
+            "and restart the job, e.g. from the last checkpoint."
+        )
+        err.__cause__ = self.failure
+        return err
 
     def _run(self) -> None:
         while True:
@@ -127,9 +141,15 @@ class _SerialExecutor:
             if item is None:
                 return
             job, fut = item
+            if self.failure is not None:
+                # A failed job may have stopped between two collectives: running later jobs would
+                # pair this rank's collectives with different ones on the other ranks.
+                fut.set_exception(self.refusal())
+                continue
             try:
                 result = job()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                self.failure = exc
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
@@ -138,6 +158,8 @@ class _SerialExecutor:
         return threading.current_thread() is self._thread
 
     def submit(self, job: Callable[[], Any]) -> torch.futures.Future:
+        if self.failure is not None:
+            raise self.refusal()
         fut: torch.futures.Future = torch.futures.Future()
         self._jobs.put((job, fut))
         return fut
@@ -307,6 +329,11 @@ class Communicator:
             return fut
         return self._executor.submit(job)
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The exception of the communication job that stopped this communicator, if one did."""
+        return None if self._executor is None else self._executor.failure
+
     def close(self) -> None:
         """Stop the background thread and release the dedicated process group.
 
@@ -334,8 +361,8 @@ class Communicator:
         coll, world = self._coll, self.world_size
 
         def job() -> Tensor:
+            tensor.div_(world)  # before the sum, as DDP does: an fp16 sum of P values could overflow
             coll.all_reduce_sum(tensor)
-            tensor.div_(world)
             return tensor
 
         return self._submit(job)

@@ -66,12 +66,26 @@ class ZeroOneHookState:
         overflow_check_on_local_steps: on ``LOCAL`` steps, agree across ranks on whether any
             gradient is non-finite (one tiny allreduce per bucket) so a GradScaler skips the step
             on every rank. ``None`` (default): only for fp16 buckets.
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any. The hook runs
+            before the scaler unscales the gradients, so compressed messages are built from
+            ``g / S`` (the momentum and both error buffers stay in unscaled units, whatever the
+            scale does) and the results are handed back times ``S`` for the scaler to unscale.
+            Without it, messages mix the scaled gradient with the unscaled momentum.
         buckets_seen: number of bucket calls (for tests and diagnostics).
     """
 
     optimizer: CompressedAdamBase
     overflow_check_on_local_steps: bool | None = None
+    grad_scaler: "torch.amp.GradScaler | None" = None
     buckets_seen: int = field(default=0)
+
+    def loss_scale(self) -> Tensor | None:
+        """The scaler's current scale as a one-element tensor, or ``None`` without an enabled scaler."""
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        scale = getattr(scaler, "_scale", None)  # a tensor: no host sync, unlike get_scale()
+        return scale.double() if isinstance(scale, Tensor) else torch.tensor(float(scaler.get_scale()))
 
 
 def _done(value: Tensor) -> torch.futures.Future:
@@ -98,22 +112,26 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     flat = opt.flat_buffers(params)
     message, n = flat.message, flat.layout.numel
     message[n:].zero_()
+    scale = state.loss_scale()
     for p, g, view in zip(params, grads, flat.views(message)):
+        if scale is not None:
+            g = g.div(scale.to(device=g.device, dtype=g.dtype))  # messages in unscaled units
         opt.write_message(opt.group_of(p), p, g, kind, view)
     fut = opt.comm.compressed_allreduce_async(message, flat.worker_error, flat.server_error, flat.layout)
     dtype = buffer.dtype
 
     # The callbacks only compute on tensors: no collective is ever issued inside a callback.
-    if kind is StepKind.ONEBIT_MOMENTUM:
-
-        def to_gradient(f: torch.futures.Future) -> Tensor:
-            combined = f.value()
+    def to_gradient(f: torch.futures.Future) -> Tensor:
+        combined = f.value()
+        if kind is StepKind.ONEBIT_MOMENTUM:
             for p, view in zip(params, flat.views(combined)):
                 opt.implied_gradient(opt.group_of(p), p, view)
-            return combined[:n].to(dtype)
+        result = combined[:n]
+        if scale is not None:  # scaled again: the GradScaler unscales p.grad before step()
+            result = result.mul(scale.to(device=result.device, dtype=result.dtype))
+        return result.to(dtype)
 
-        return fut.then(to_gradient)
-    return fut.then(lambda f: f.value()[:n].to(dtype))
+    return fut.then(to_gradient)
 
 
 def _agree_on_overflow(opt: CompressedAdamBase, buffer: Tensor) -> torch.futures.Future:
@@ -129,8 +147,14 @@ def _agree_on_overflow(opt: CompressedAdamBase, buffer: Tensor) -> torch.futures
     return fut.then(mark)
 
 
-def register_zeroone_hook(ddp_model: DistributedDataParallel, optimizer: CompressedAdamBase) -> ZeroOneHookState:
+def register_zeroone_hook(
+    ddp_model: DistributedDataParallel,
+    optimizer: CompressedAdamBase,
+    grad_scaler: "torch.amp.GradScaler | None" = None,
+) -> ZeroOneHookState:
     """Register :func:`zeroone_hook` on ``ddp_model`` for ``optimizer``; returns the hook state.
+
+    Pass the ``grad_scaler`` of fp16 mixed precision (see :class:`ZeroOneHookState`).
 
     Checks, before any training step, that the optimizer manages exactly the model's trainable
     parameters and communicates over a group of the same size as DDP's.
@@ -168,6 +192,17 @@ def register_zeroone_hook(ddp_model: DistributedDataParallel, optimizer: Compres
             f"DDP runs on {ddp_world} ranks but the optimizer communicates over {optimizer.comm.world_size}; "
             "pass the DDP process group to the optimizer (process_group=...)"
         )
-    state = ZeroOneHookState(optimizer)
+    state = ZeroOneHookState(optimizer, grad_scaler=grad_scaler)
     ddp_model.register_comm_hook(state, zeroone_hook)
+    # Every forward starts a new iteration: results of an earlier backward whose step was never
+    # taken (a GradScaler skip) must not be mistaken for this iteration's if the hook does not run
+    # (every micro-step under no_sync()).
+    ddp_model.register_forward_pre_hook(_forget_unstepped_results(optimizer))
     return state
+
+
+def _forget_unstepped_results(optimizer: CompressedAdamBase):  # noqa: ANN202 - a forward pre-hook
+    def pre_hook(module: torch.nn.Module, args: tuple) -> None:
+        optimizer.communicated_step = None
+
+    return pre_hook

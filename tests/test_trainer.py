@@ -167,6 +167,31 @@ def test_resume_continues_bit_identically_and_on_another_world_size_warns(tmp_pa
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+def test_an_epoch_based_run_derives_the_schedule_from_its_length(tmp_path):
+    """transformers 4.x creates the optimizer before its TrainerState knows max_steps."""
+    from transformers import TrainingArguments
+
+    from hf_zeroone import ZeroOneTrainer, ZeroOneTrainingArguments
+
+    from _hf import TokenParityDataset, tiny_bert
+
+    # 10% warm-up, spelt as each transformers version accepts it
+    has_ratio = "warmup_ratio" in TrainingArguments.__dataclass_fields__
+    ratio = dict(warmup_ratio=0.1) if has_ratio else dict(warmup_steps=0.1)
+    args = ZeroOneTrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, num_train_epochs=3, per_device_train_batch_size=8,
+        report_to=[], save_strategy="no", disable_tqdm=True, optim_compression="zeroone_adam", **ratio,
+    )  # fmt: skip
+    trainer = ZeroOneTrainer(model=tiny_bert(), args=args, train_dataset=TokenParityDataset(n=80))
+    trainer.create_optimizer_and_scheduler(num_training_steps=30)  # 3 epochs of 10 steps
+    assert (trainer.optimizer.exact_warmup_steps, trainer.optimizer.var_freeze_step) == (3, 6)
+
+    trainer = ZeroOneTrainer(model=tiny_bert(), args=args, train_dataset=TokenParityDataset(n=80))
+    trainer.train()
+    assert trainer.state.global_step == 30
+    assert (trainer.optimizer.optimizer.exact_warmup_steps, trainer.optimizer.optimizer.var_freeze_step) == (3, 6)
+
+
 def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
     from transformers import HfArgumentParser
 

@@ -77,6 +77,6 @@ def prepare_zeroone(accelerator: Any, model: Any, optimizer: Any) -> ZeroOneHook
             f"prepare_zeroone: expected the model returned by accelerator.prepare to be "
             f"DistributedDataParallel, got {type(model).__name__} (distributed_type={dtype}).\n" + CPU_LAUNCH_HELP
         )
-    state = register_zeroone_hook(model, opt)
+    state = register_zeroone_hook(model, opt, grad_scaler=getattr(accelerator, "scaler", None))
     state.overflow_check_on_local_steps = accelerator.mixed_precision == "fp16"
     return state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
 from typing import Any
@@ -88,6 +89,27 @@ class ZeroOneTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ optimizer
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        # transformers 4.x creates the optimizer here, before the new TrainerState holds max_steps.
+        self._num_training_steps = num_training_steps
+        super().create_optimizer_and_scheduler(num_training_steps)
+
+    def _training_steps(self) -> int:
+        """The run's optimizer steps, for the schedule defaults; raise if they cannot be known yet."""
+        for steps in (getattr(self, "_num_training_steps", None), self.state.max_steps, self.args.max_steps):
+            if steps is not None and steps > 0:
+                return int(steps)
+        if self.train_dataset is not None and hasattr(self.train_dataset, "__len__"):
+            per_epoch = len(self.get_train_dataloader()) // max(1, self.args.gradient_accumulation_steps)
+            steps = math.ceil(max(1, per_epoch) * self.args.num_train_epochs)
+            if steps > 0:
+                return steps
+        raise ValueError(
+            "ZeroOneTrainer cannot tell how many steps this run has, and the compression schedule's defaults "
+            "depend on it: set max_steps, give a train_dataset with a length, or set freeze_step / "
+            "var_freeze_step / exact_warmup_steps explicitly"
+        )
+
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         args = self.args
         choice = getattr(args, "optim_compression", "adamw_torch")
@@ -107,7 +129,7 @@ class ZeroOneTrainer(Trainer):
         ]
         groups = [g for g in groups if g["params"]]
         assert isinstance(args, ZeroOneTrainingArguments)
-        schedule = args.compression_schedule(max(1, self.state.max_steps or args.max_steps))
+        schedule = args.compression_schedule(self._training_steps())
         common = dict(
             lr=args.learning_rate,
             betas=(args.adam_beta1, args.adam_beta2),
@@ -136,7 +158,7 @@ class ZeroOneTrainer(Trainer):
                 )
             return
         if self._hook_state is None or self._hook_state.optimizer is not opt:
-            state = register_zeroone_hook(model, opt)
+            state = register_zeroone_hook(model, opt, grad_scaler=getattr(self.accelerator, "scaler", None))
             check = getattr(self.args, "overflow_check_on_local_steps", None)
             state.overflow_check_on_local_steps = bool(self.args.fp16) if check is None else check
             self._hook_state = state

@@ -55,6 +55,8 @@ from hf_zeroone.compression import ChunkLayout
 __all__ = ["CompressedAdamBase", "FlatBuffers", "StepKind"]
 
 _STATE_KEY = "hf_zeroone"
+#: state entries kept in float32 whatever the parameter's dtype (error feedback)
+_FP32_STATE = ("worker_error", "server_error")
 
 
 class StepKind(enum.Enum):
@@ -353,6 +355,14 @@ class CompressedAdamBase(Optimizer):
         state["sync_param"].copy_(p)
         state["lr_sum"], state["decay_prod"] = 0.0, 1.0
 
+    def _discard_interval(self, p: Tensor) -> None:
+        """Back to the last synced parameters with zero momentum: identical and finite on every rank."""
+        state = self.state[p]
+        p.copy_(state["sync_param"])
+        state["exp_avg"].zero_()
+        state["update_accumulator"].zero_()
+        state["lr_sum"], state["decay_prod"] = 0.0, 1.0
+
     # ------------------------------------------------------------------ preparation
     def _init_state(self, p: Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -373,8 +383,13 @@ class CompressedAdamBase(Optimizer):
             self._init_state(p)
         if (kind.compressed or kind is StepKind.LOCAL) and not self.schedule["masks_ready"]:
             self._build_momentum_masks()
-        if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC) and not self.schedule.get("local_phase_started", True):
-            self._start_local_phase()
+        if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
+            if not self.schedule.get("local_phase_started", True):
+                self._start_local_phase()
+        elif "local_phase_started" in self.schedule:
+            # Back before the local phase (e.g. var_freeze_step raised): its state is stale, and
+            # entering the local phase again must start from the parameters of that moment.
+            self.schedule["local_phase_started"] = False
         self._prepared_step = self.schedule["step"]
         self._stats_at_step_start = self.comm.stats.copy()
         return kind
@@ -559,8 +574,21 @@ class CompressedAdamBase(Optimizer):
         for group, p, value in updates:
             self._apply(group, p, value, kind)
         if kind is StepKind.ONEBIT_SYNC:
-            for group, p, value in self._exchange(kind):
-                self._apply_sync(group, p, value, kind)
+            synced = self._exchange(kind)
+            if all_finite(v for _, _, v in synced):
+                for group, p, value in synced:
+                    self._apply_sync(group, p, value, kind)
+            else:
+                # The combined u is identical on every rank, so every rank takes this branch.
+                warnings.warn(
+                    f"{type(self).__name__}: non-finite values in the sync at step {self.schedule['step']}: "
+                    "the local steps since the last sync are discarded on all ranks (parameters back to the "
+                    "last synced values, momentum reset). Lower the learning rate or clip gradients if it repeats.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                for _, p, _ in synced:
+                    self._discard_interval(p)
         if kind is StepKind.EXACT:
             self.schedule["variance_updates"] += 1
         self.last_step_stats = self.comm.stats - self._stats_at_step_start
@@ -576,6 +604,15 @@ class CompressedAdamBase(Optimizer):
                     [p for _, p in self.trainable_params()], f"parameters after step {self.schedule['step']}"
                 )
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As :meth:`torch.optim.Optimizer.zero_grad`; also forgets a hook's results never stepped on.
+
+        After a step that was not taken (a GradScaler skip), the next gradients must not be taken
+        for combined results unless the hook runs again.
+        """
+        self.communicated_step = None
+        super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -608,6 +645,17 @@ class CompressedAdamBase(Optimizer):
             raise ValueError(
                 f"state dict was saved by {extra.get('optimizer')}, cannot load it into {type(self).__name__}"
             )
+        saved = extra.get("hyperparameters", {})
+        mine = {name: getattr(self, name) for name in self.schedule_params}
+        differing = {name: (saved[name], mine[name]) for name in mine if name in saved and saved[name] != mine[name]}
+        if differing:
+            listing = ", ".join(f"{n}: checkpoint {a!r}, this optimizer {b!r}" for n, (a, b) in differing.items())
+            fix = ", ".join(f"{n}={a!r}" for n, (a, _) in differing.items())
+            raise ValueError(
+                f"{type(self).__name__}: the checkpoint's schedule differs from this optimizer's ({listing}). "
+                "Resuming on another schedule would restart phases whose state is gone; build the optimizer "
+                f"with the checkpoint's values ({fix}), e.g. pass them explicitly to the Trainer, or start afresh."
+            )
         same_rank = extra.get("world_size") == self.comm.world_size and extra.get("rank") == self.comm.rank
         if not same_rank:
             warnings.warn(
@@ -627,7 +675,18 @@ class CompressedAdamBase(Optimizer):
                 "accumulated local updates in momentum space ('momentum_accumulator'); it cannot be resumed "
                 "exactly. Resume from a checkpoint taken before var_freeze_step, or start the optimizer afresh."
             )
+        # torch casts every floating-point state tensor to its parameter's dtype; the error buffers
+        # stay float32 (a bf16 model keeps fp32 error feedback), so they are restored here.
+        errors = {k: {n: v for n, v in s.items() if n in _FP32_STATE} for k, s in state_dict["state"].items()}
+        state_dict["state"] = {
+            k: {n: v for n, v in s.items() if n not in _FP32_STATE} for k, s in state_dict["state"].items()
+        }
         super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            for name, value in errors.get(saved_id, {}).items():
+                self.state[p][name] = value.to(device=p.device, dtype=torch.float32, copy=True)
         for state in self.state.values():
             if "momentum_mask" in state:
                 state["momentum_mask"] = state["momentum_mask"] != 0

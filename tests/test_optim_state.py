@@ -1,0 +1,131 @@
+"""Single-process state handling: schedules in checkpoints, re-entering phases, skipped syncs, dtypes."""
+
+import io
+import warnings
+
+import pytest
+import torch
+
+from hf_zeroone import OneBitAdam, StepKind, ZeroOneAdam
+
+
+def _zeroone(params, **kw):
+    base = dict(lr=1e-2, var_freeze_step=4, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
+    base.update(kw)
+    return ZeroOneAdam(params, **base)
+
+
+def _run(p, opt, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [(OneBitAdam, dict(freeze_step=0)), (ZeroOneAdam, dict(var_freeze_step=0))],
+)
+def test_a_zero_freeze_step_is_refused_with_the_reason(cls, kwargs):
+    with pytest.raises(ValueError, match="never estimated"):
+        cls([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "cls, saved, resumed",
+    [
+        (ZeroOneAdam, dict(var_freeze_step=4), dict(var_freeze_step=100)),
+        (ZeroOneAdam, dict(local_step_clipper=4), dict(local_step_clipper=8)),
+        (OneBitAdam, dict(freeze_step=3), dict(freeze_step=5)),
+    ],
+)
+def test_a_checkpoint_with_another_schedule_is_refused(cls, saved, resumed):
+    make = _zeroone if cls is ZeroOneAdam else (lambda ps, **kw: OneBitAdam(ps, lr=1e-2, **kw))
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = make([p], **saved)
+    _run(p, opt, 10)
+    blob = io.BytesIO()
+    torch.save(opt.state_dict(), blob)
+    blob.seek(0)
+    sd = torch.load(blob, weights_only=True)
+    q = torch.nn.Parameter(p.detach().clone())
+    fresh = make([q], **resumed)
+    name = next(iter(resumed))
+    with pytest.raises(ValueError, match=rf"{name}: checkpoint {saved[name]}, this optimizer {resumed[name]}"):
+        fresh.load_state_dict(sd)
+    assert fresh.schedule["step"] == 0  # nothing loaded
+    make([q], **saved).load_state_dict(sd)  # the same schedule loads
+
+
+def test_re_entering_the_local_phase_starts_from_the_current_parameters():
+    """If var_freeze_step moves past the current step, phase 1 returns; its steps must survive the next sync."""
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = _zeroone([p])
+    for _ in range(7):
+        p.grad = torch.ones(8)  # a constant gradient: every step moves p down by lr
+        opt.step()
+    assert opt.schedule["local_phase_started"]
+    opt.var_freeze_step = 12  # back to phase 1 for steps 7..11
+    start_of_phase1 = p.detach().clone()
+    for _ in range(5):
+        p.grad = torch.ones(8)
+        opt.step()
+    assert opt.last_step_kind is not StepKind.LOCAL
+    start_of_phase2 = p.detach().clone()
+    assert (start_of_phase1 - start_of_phase2).min() > 0.04
+    opt.prepare_step()  # entering phase 2 again: the sync point is where p is now
+    assert torch.equal(opt.state[p]["sync_param"], start_of_phase2)
+    kinds = []
+    for _ in range(3):
+        kinds.append(opt.next_step_kind())
+        p.grad = torch.ones(8)
+        opt.step()
+    assert StepKind.ONEBIT_SYNC in kinds
+    # a stale sync point (step 6) would have thrown the five phase-1 steps away
+    assert (start_of_phase1 - p.detach()).min() > 0.04
+
+
+def test_a_non_finite_sync_is_discarded_and_leaves_finite_parameters():
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = _zeroone([p], local_step_scaler=100)  # sync gap 1: every local-phase step syncs
+    _run(p, opt, 6)
+    synced = p.detach().clone()
+    assert opt.next_step_kind() is StepKind.ONEBIT_SYNC
+    opt.state[p]["update_accumulator"][3] = float("inf")  # an overflowing local update
+    p.grad = torch.ones(8)
+    with pytest.warns(RuntimeWarning, match="discarded on all ranks"):
+        opt.step()
+    assert torch.equal(p.detach(), synced)
+    assert torch.equal(opt.state[p]["sync_param"], synced)
+    assert torch.isfinite(opt.state[p]["exp_avg"]).all()
+    _run(p, opt, 4, seed=3)  # and training goes on
+    assert torch.isfinite(p).all() and not torch.equal(p.detach(), synced)
+
+
+def test_error_buffers_of_a_bf16_model_stay_float32_on_load():
+    p = torch.nn.Parameter(torch.ones(6, dtype=torch.bfloat16))
+    opt = OneBitAdam([p], freeze_step=1)
+    p.grad = torch.ones(6, dtype=torch.bfloat16)
+    opt.step()
+    sd = opt.state_dict()
+    error = torch.tensor([1e-3, 1.0 + 1e-6, -2.0, 0.0, 3.3e-5, 7.0])  # not representable in bf16
+    sd["state"][0]["worker_error"] = error.clone()
+    sd["state"][0]["server_error"] = error[:3].clone()
+    opt.load_state_dict(sd)
+    assert opt.state[p]["worker_error"].dtype == torch.float32
+    assert torch.equal(opt.state[p]["worker_error"], error)
+    assert torch.equal(opt.state[p]["server_error"], error[:3])
+    assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_zero_grad_forgets_results_of_a_step_that_was_never_taken():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = OneBitAdam([p], freeze_step=2)
+    opt.prepare_step()
+    opt.communicated_step = opt.schedule["step"]  # what the DDP hook does during backward
+    opt.zero_grad()
+    assert opt.communicated_step is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p.grad = torch.ones(3)
+        opt.step()

@@ -1,0 +1,400 @@
+#!/usr/bin/env python
+"""Convergence suite: AdamW, PowerSGD, 1-bit Adam and 0/1 Adam with default settings, four workloads.
+
+One command, offline, CPU (gloo), about 30-45 minutes on two cores::
+
+    python recipes/convergence.py --output_dir outputs/convergence
+
+Workloads (``--workloads``, comma-separated):
+
+* ``finetune``: the offline all-MiniLM-L6-v2 fine-tuned by ``ZeroOneTrainer`` (Trainer defaults
+  plus lr, epochs, warm-up) to tell which stdlib package a docstring comes from (5 classes, real
+  text; see ``convergence_finetune.py``); metric: held-out accuracy. 2 ranks.
+* ``clm``: GPT-2-style causal LM pre-training, ``mlm``: BERT-style masked LM pre-training, on the
+  embedded corpus and BPE tokenizer of ``pretrain.py`` (stdlib docstrings); metric: held-out
+  loss (fixed sequences and masks). 2 ranks.
+* ``lsq``: least squares, ``y = W x + noise`` with one linear layer, 3 ranks, batch 16, lr 1e-2
+  decaying linearly to 0, betas (0.9, 0.99), 640 steps, freeze at step 200: the gradient scale
+  keeps falling after the freeze. Metric: held-out mean squared error.
+
+Optimizers (``--optimizers``) get only user-level settings: lr and its schedule, the run length,
+``freeze_step`` (1-bit Adam) / ``var_freeze_step`` (0/1 Adam) at the end of the LR warm-up
+(``lsq``: step 200), and the same weight decay (0 by default) and gradient clipping for all;
+every other knob is the package's default at run time. PowerSGD is torch's hook at rank 4 with
+AdamW. How bytes and rounds are counted: ``convergence_worker.py``.
+
+Writes ``results.md`` (table + goals), ``results.json`` and ``<workload>.png`` (loss curves) into
+``--output_dir``. Each run is a ``torchrun --standalone`` subprocess; its log is
+``<output_dir>/runs/<workload>/<optimizer>/run.log``. ``--quick`` shrinks everything (smoke test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+WORKLOADS = ("finetune", "clm", "mlm", "lsq")
+OPTIMIZERS = ("adamw", "powersgd", "onebit_adam", "zeroone_adam")
+LABELS = {"adamw": "AdamW", "powersgd": "PowerSGD r4 + AdamW", "onebit_adam": "1-bit Adam", "zeroone_adam": "0/1 Adam"}
+GOAL_LOSS = {"clm": 1.01, "mlm": 1.01, "lsq": 1.25}  # final loss at most this times AdamW's
+GOAL_ACC_POINTS = 0.5  # fine-tuning accuracy at most this many points below AdamW's
+GOAL_ROUNDS, GOAL_BYTES, GOAL_MIN_STEPS = 0.4, 0.8, 1000  # 0/1 Adam against 1-bit Adam
+
+
+@dataclass
+class SuiteArguments:
+    output_dir: str = field(default="outputs/convergence", metadata={"help": "Results, plots, run logs, data."})
+    workloads: str = field(default=",".join(WORKLOADS), metadata={"help": f"Comma-separated: {', '.join(WORKLOADS)}."})
+    optimizers: str = field(
+        default=",".join(OPTIMIZERS), metadata={"help": f"Comma-separated: {', '.join(OPTIMIZERS)}."}
+    )
+    quick: bool = field(default=False, metadata={"help": "Tiny sizes everywhere (smoke test, seconds per run)."})
+    nproc: int = field(default=2, metadata={"help": "Ranks for finetune, clm and mlm."})
+    lsq_nproc: int = field(default=3, metadata={"help": "Ranks for lsq."})
+    timeout: int = field(default=1800, metadata={"help": "Seconds one run may take before it is killed."})
+    seed: int = field(default=0, metadata={"help": "Seed for data, initialisation and order."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay, the same for every optimizer."})
+    # language models
+    clm_steps: int = field(default=1000, metadata={"help": "CLM optimizer steps."})
+    mlm_steps: int = field(default=500, metadata={"help": "MLM optimizer steps."})
+    lm_lr: float = field(default=1e-3, metadata={"help": "LM peak learning rate (linear warm-up, then linear to 0)."})
+    lm_warmup_ratio: float = field(default=0.1, metadata={"help": "LM warm-up; also freeze_step / var_freeze_step."})
+    lm_batch_size: int = field(default=8, metadata={"help": "LM sequences per rank and step."})
+    lm_seq_len: int = field(default=64, metadata={"help": "LM tokens per sequence."})
+    lm_hidden_size: int = field(default=128, metadata={"help": "LM width."})
+    lm_num_layers: int = field(default=2, metadata={"help": "LM transformer layers."})
+    lm_num_heads: int = field(default=2, metadata={"help": "LM attention heads."})
+    lm_max_grad_norm: float = field(default=1.0, metadata={"help": "LM gradient clipping as pretrain.py (0: off)."})
+    lm_eval_sequences: int = field(default=128, metadata={"help": "Held-out sequences for the LM metric."})
+    corpus_chars: int = field(default=3_000_000, metadata={"help": "Size of the embedded docstring corpus."})
+    vocab_size: int = field(default=4096, metadata={"help": "BPE vocabulary trained on the corpus."})
+    # fine-tuning
+    finetune_lr: float = field(default=1e-4, metadata={"help": "Fine-tuning learning rate."})
+    finetune_epochs: float = field(default=3.0, metadata={"help": "Fine-tuning epochs (Trainer default)."})
+    finetune_warmup_ratio: float = field(default=0.1, metadata={"help": "Fine-tuning warm-up (fraction of steps)."})
+    finetune_per_class: int = field(default=0, metadata={"help": "Docstrings per class (0: all the smallest has)."})
+    finetune_eval_fraction: float = field(default=0.4, metadata={"help": "Held-out share of each class."})
+    finetune_max_length: int = field(default=64, metadata={"help": "Tokens per docstring (truncated)."})
+    # least squares
+    lsq_steps: int = field(default=640, metadata={"help": "Least-squares steps."})
+    lsq_freeze_step: int = field(default=200, metadata={"help": "Least squares: freeze_step / var_freeze_step."})
+    lsq_lr: float = field(default=1e-2, metadata={"help": "Least squares: lr, decaying linearly to 0."})
+    lsq_batch_size: int = field(default=16, metadata={"help": "Least squares: samples per rank and step."})
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("workloads", WORKLOADS), ("optimizers", OPTIMIZERS)):
+            items = [s.strip() for s in getattr(self, name).split(",") if s.strip()]
+            bad = sorted(set(items) - set(allowed))
+            if bad or not items:
+                raise ValueError(f"--{name}: unknown {bad or 'empty list'}; choose from {', '.join(allowed)}")
+            setattr(self, name, ",".join(items))
+        if self.quick:
+            defaults = {f.name: f.default for f in fields(self)}
+            for key, value in QUICK.items():
+                if getattr(self, key) == defaults[key]:
+                    setattr(self, key, value)
+
+
+QUICK = dict(
+    clm_steps=24, mlm_steps=24, lm_batch_size=4, lm_seq_len=32, lm_hidden_size=32, lm_eval_sequences=16,
+    corpus_chars=150_000, vocab_size=512, finetune_epochs=1.0, finetune_per_class=12, finetune_max_length=32,
+    lsq_steps=64, lsq_freeze_step=20, timeout=300,
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ data
+def prepare_lm_data(args: SuiteArguments, out: Path) -> Path:
+    """Tokenizer and shuffled token blocks, built once and shared by clm and mlm."""
+    import torch
+    from pretrain import PretrainArguments, build_tokenizer, embedded_corpus, make_blocks
+
+    key = {"chars": args.corpus_chars, "vocab": args.vocab_size, "seq_len": args.lm_seq_len, "seed": args.seed}
+    data = out / "data" / f"lm_{args.corpus_chars}_{args.vocab_size}_{args.lm_seq_len}"
+    meta = data / "meta.json"
+    if meta.exists() and json.loads(meta.read_text()).get("key") == key:
+        return data
+    data.mkdir(parents=True, exist_ok=True)
+    texts = embedded_corpus(args.corpus_chars)
+    tokenizer = build_tokenizer(PretrainArguments(vocab_size=args.vocab_size), texts, data / "tokenizer")
+    blocks = make_blocks(tokenizer, texts, args.lm_seq_len)
+    blocks = blocks[torch.randperm(len(blocks), generator=torch.Generator().manual_seed(args.seed))]
+    torch.save(blocks, data / "blocks.pt")
+    meta.write_text(json.dumps({"key": key, "texts": len(texts), "blocks": list(blocks.shape)}))
+    return data
+
+
+def prepare_finetune_data(args: SuiteArguments, out: Path) -> Path:
+    from convergence_finetune import docstring_dataset
+
+    data = out / "data" / "finetune"
+    data.mkdir(parents=True, exist_ok=True)
+    ds = docstring_dataset(per_class=args.finetune_per_class, eval_fraction=args.finetune_eval_fraction, seed=args.seed)
+    (data / "docstrings.json").write_text(json.dumps(ds))
+    return data
+
+
+def make_spec(args: SuiteArguments, workload: str, optimizer: str, data: Path, run_dir: Path) -> dict:
+    spec = {"workload": workload, "optimizer": optimizer, "run_dir": str(run_dir), "data_dir": str(data)}
+    spec.update(seed=args.seed, weight_decay=args.weight_decay)
+    if workload == "finetune":
+        spec.update(lr=args.finetune_lr, epochs=args.finetune_epochs, warmup_ratio=args.finetune_warmup_ratio)
+        spec.update(max_length=args.finetune_max_length, log_every=2)
+    elif workload == "lsq":
+        spec.update(steps=args.lsq_steps, warmup_steps=0, freeze_step=args.lsq_freeze_step, lr=args.lsq_lr)
+        spec.update(betas=[0.9, 0.99], batch_size=args.lsq_batch_size, max_grad_norm=0.0, eval_size=4096)
+        spec.update(lsq_in=128, lsq_out=32, lsq_noise=0.1)
+    else:
+        steps = args.clm_steps if workload == "clm" else args.mlm_steps
+        warm = max(1, round(steps * args.lm_warmup_ratio))
+        spec.update(steps=steps, warmup_steps=warm, freeze_step=warm, lr=args.lm_lr, batch_size=args.lm_batch_size)
+        spec.update(hidden_size=args.lm_hidden_size, num_layers=args.lm_num_layers, num_heads=args.lm_num_heads)
+        spec.update(max_grad_norm=args.lm_max_grad_norm, eval_size=args.lm_eval_sequences)
+    return spec
+
+
+# ------------------------------------------------------------------------------------ runs
+def launch(spec: dict, nproc: int, timeout: float, bar) -> dict:
+    """One torchrun subprocess; returns rank 0's result, or an error with the log's tail (all ranks)."""
+    run_dir = Path(spec["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("result.json", "progress.txt"):
+        (run_dir / stale).unlink(missing_ok=True)
+    (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd += [str(HERE / "convergence_worker.py"), str(run_dir / "spec.json")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env.update(TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    log_path = run_dir / "run.log"
+    start, last = time.perf_counter(), 0
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        while proc.poll() is None:
+            time.sleep(1.0)
+            text = (run_dir / "progress.txt").read_text().split() if (run_dir / "progress.txt").exists() else []
+            if len(text) == 3:
+                step, total = int(text[0]), int(text[1])
+                bar.total = total
+                bar.update(step - last)
+                bar.set_postfix(loss=text[2])
+                last = step
+            if time.perf_counter() - start > timeout:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                break
+    wall = time.perf_counter() - start
+    result_path = run_dir / "result.json"
+    if proc.returncode == 0 and result_path.exists():
+        return {**json.loads(result_path.read_text()), "wall_s": wall}
+    why = f"timed out after {timeout:.0f}s" if wall > timeout else f"exit code {proc.returncode}"
+    tail = log_path.read_text(errors="replace")[-6000:]
+    return {**{k: spec[k] for k in ("workload", "optimizer")}, "error": why, "log_tail": tail, "wall_s": wall}
+
+
+# ------------------------------------------------------------------------------------ report
+def compare(results: dict) -> dict:
+    """Per run: metric difference and bytes / rounds against AdamW on the same workload."""
+    table = {}
+    for workload, runs in results.items():
+        base = runs.get("adamw")
+        for name, r in runs.items():
+            row = {"ok": "error" not in r}
+            if row["ok"] and base and "error" not in base:
+                if workload == "finetune":
+                    row["diff"] = r["metric"] - base["metric"]
+                else:
+                    row["diff"] = 100 * (r["metric"] / base["metric"] - 1)
+                row["bytes_x"] = r["bytes"] / base["bytes"] if base["bytes"] else None
+                row["rounds_x"] = r["rounds"] / base["rounds"] if base["rounds"] else None
+            table[(workload, name)] = row
+    return table
+
+
+def goals(results: dict) -> list[tuple[str, str, str, bool | None]]:
+    """(goal, run, measured, met) for every goal the runs can decide."""
+    rows = []
+    for workload, runs in results.items():
+        base = runs.get("adamw")
+        ok_base = base and "error" not in base
+        for name, r in runs.items():
+            if name == "adamw":
+                continue
+            label = f"{workload} / {LABELS[name]}"
+            if "error" in r or not ok_base:
+                rows.append(("run finished (with an AdamW baseline)", label, r.get("error", "no AdamW run"), False))
+            elif workload == "finetune":
+                diff = r["metric"] - base["metric"]
+                goal = f"accuracy >= AdamW - {GOAL_ACC_POINTS} points"
+                rows.append((goal, label, f"{diff:+.2f} points", diff >= -GOAL_ACC_POINTS))
+            else:
+                ratio = r["metric"] / base["metric"]
+                goal = f"final loss <= {GOAL_LOSS[workload]}x AdamW's"
+                rows.append((goal, label, f"{ratio:.4f}x", ratio <= GOAL_LOSS[workload]))
+        one, zo = runs.get("onebit_adam"), runs.get("zeroone_adam")
+        if one and zo and "error" not in one and "error" not in zo:
+            long_run = min(one["steps"], zo["steps"]) >= GOAL_MIN_STEPS
+            note = "" if long_run else f" (run of {zo['steps']} steps < {GOAL_MIN_STEPS}: informative only)"
+            rr, br = zo["rounds"] / one["rounds"], zo["bytes"] / one["bytes"]
+            label = f"{workload}, {zo['steps']} steps"
+            goal = f"0/1 Adam rounds <= {GOAL_ROUNDS}x 1-bit Adam's{note}"
+            rows.append((goal, label, f"{rr:.3f}x", rr <= GOAL_ROUNDS if long_run else None))
+            goal = f"0/1 Adam bytes <= {GOAL_BYTES}x 1-bit Adam's{note}"
+            rows.append((goal, label, f"{br:.3f}x", br <= GOAL_BYTES if long_run else None))
+    return rows
+
+
+def markdown(results: dict, command: str, args: SuiteArguments) -> str:
+    cmp = compare(results)
+    head = (
+        "| workload | optimizer | final metric | vs AdamW | MB sent / rank | bytes vs AdamW | rounds "
+        "| rounds vs AdamW | train loss (last 10%) | wall s |"
+    )
+    lines = [f"Command: `{command}`", "", head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for workload, runs in results.items():
+        for name, r in sorted(runs.items(), key=lambda kv: OPTIMIZERS.index(kv[0])):
+            c = cmp[(workload, name)]
+            if not c["ok"]:
+                lines.append(f"| {workload} | {LABELS[name]} | failed: {r['error']} | | | | | | | {r['wall_s']:.0f} |")
+                continue
+            unit = " pts" if workload == "finetune" else "%"
+            metric = f"{r['metric']:.2f} % acc" if workload == "finetune" else f"{r['metric']:.4f}"
+            diff = f"{c['diff']:+.2f}{unit}" if "diff" in c else "n/a"
+            bx = f"{c['bytes_x']:.3f}" if c.get("bytes_x") is not None else "n/a"
+            rx = f"{c['rounds_x']:.3f}" if c.get("rounds_x") is not None else "n/a"
+            mb = f"{r['bytes'] / 1e6:.2f}"
+            lines.append(
+                f"| {workload} | {LABELS[name]} | {metric} | {diff} | {mb} | {bx} | {r['rounds']} | {rx} "
+                f"| {r['train_loss_last10pct']:.4f} | {r['train_wall_s']:.0f} |"
+            )
+    lines += ["", GLOSSARY, "", "### Goals", "", "| goal | run | measured | |", "|---|---|---:|---|"]
+    for goal, run, measured, met in goals(results):
+        lines.append(f"| {goal} | {run} | {measured} | {'met' if met else 'n/a' if met is None else 'MISSED'} |")
+    lines += ["", "### Workloads", ""]
+    for workload, runs in results.items():
+        r = next((r for r in runs.values() if "error" not in r), None)
+        if r:
+            lines.append(f"- `{workload}`: {r['parameters']:,} parameters, {r['steps']} steps, {r['world_size']} ranks")
+    lines += ["", f"Code: {getattr(args, 'code', 'unknown')}. Settings: " + json.dumps(asdict(args))]
+    return "\n".join(lines) + "\n"
+
+
+GLOSSARY = (
+    "Final metric: held-out loss at the end (clm, mlm: fixed sequences and masks; lsq: mean squared error "
+    "on 4,096 held-out samples), held-out accuracy for finetune; rank 0's replica. vs AdamW: relative "
+    "difference of the loss, or accuracy points. MB sent / rank: what one rank put on the wire (ring model: "
+    "an allreduce of b bytes sends 2(P-1)/P b); hf_zeroone counts its own (`CommStats`), the AdamW and "
+    "PowerSGD rows count every allreduce torch's DDP hook issues. Rounds: collective calls per rank "
+    "(AdamW: one allreduce per DDP bucket per step; PowerSGD: 3 per bucket per compressed step, for the "
+    "uncompressed tensors, P and Q; hf_zeroone: `CommStats.collectives`, 2 per 1-bit allreduce). "
+    "PowerSGD runs one bucket at a time (see `convergence_worker.one_bucket_at_a_time`). "
+    "Train loss: rank 0's training loss over the last 10% of steps (finetune: the Trainer's logged `loss`, "
+    "which on 2 ranks reads about twice the mean cross-entropy: 3.2 at chance with 5 classes, ln 5 = 1.61). "
+    "Wall s: the training loop only, on a "
+    "shared 2-core machine over loopback (not a network speed measure)."
+)
+
+
+def plot(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for workload, runs in results.items():
+        fig, (ax_step, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+        for name, r in runs.items():
+            if "error" in r:
+                continue
+            steps = [c[0] for c in r["curve"]]
+            losses = smooth([c[1] for c in r["curve"]], max(1, len(r["curve"]) // 40))
+            ax_step.plot(steps, losses, label=LABELS[name])
+            pts = [(c[2] / 1e6, y) for c, y in zip(r["curve"], losses) if c[2] > 0]
+            if pts:
+                ax_bytes.plot(*zip(*pts), label=LABELS[name])
+        ax_step.set_xlabel("step")
+        ax_bytes.set_xlabel("MB sent per rank (cumulative, log scale)")
+        ax_bytes.set_xscale("log")
+        for ax in (ax_step, ax_bytes):
+            ax.set_ylabel("training loss (rank 0, smoothed)")
+            if workload == "lsq":
+                ax.set_yscale("log")
+            ax.legend()
+        fig.suptitle(f"{workload}: loss curves")
+        fig.tight_layout()
+        fig.savefig(out / f"{workload}.png", dpi=110)
+        plt.close(fig)
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v - (values[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def code_version() -> str:
+    """The commit the suite ran on, and whether ``hf_zeroone/`` had uncommitted changes then."""
+    git = ["git", "-C", str(HERE.parent)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--", "hf_zeroone"], capture_output=True, text=True)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    if head.returncode != 0:
+        return "unknown (not a git checkout)"
+    changed = len(dirty.stdout.splitlines())
+    return head.stdout.strip() + (f" + uncommitted changes in {changed} hf_zeroone file(s)" if changed else "")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from tqdm.auto import tqdm
+    from transformers import HfArgumentParser
+
+    argv = sys.argv[1:] if argv is None else argv
+    (args,) = HfArgumentParser(SuiteArguments).parse_args_into_dataclasses(argv)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python recipes/convergence.py", *argv])
+    args.code = code_version()  # reported with the settings
+    results: dict[str, dict] = {}
+    for workload in args.workloads.split(","):
+        data = out
+        if workload == "finetune":
+            data = prepare_finetune_data(args, out)
+        elif workload in ("clm", "mlm"):
+            data = prepare_lm_data(args, out)
+        nproc = args.lsq_nproc if workload == "lsq" else args.nproc
+        for name in args.optimizers.split(","):
+            spec = make_spec(args, workload, name, data, out / "runs" / workload / name)
+            with tqdm(desc=f"{workload}/{name}", unit="step", leave=True) as bar:
+                result = launch(spec, nproc, args.timeout, bar)
+            results.setdefault(workload, {})[name] = result
+            if "error" in result:
+                msg = f"[convergence] {workload}/{name} failed ({result['error']}):\n{result['log_tail']}"
+                print(msg, file=sys.stderr)
+            (out / "results.json").write_text(json.dumps({"command": command, "results": results}))
+            (out / "results.md").write_text(markdown(results, command, args))
+        plot({workload: results[workload]}, out)
+    print("\n" + (out / "results.md").read_text())
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {', '.join(f'{w}.png' for w in results)}")
+    if any("error" in r for runs in results.values() for r in runs.values()):
+        raise SystemExit(1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

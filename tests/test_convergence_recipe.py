@@ -1,0 +1,89 @@
+"""recipes/convergence.py in --quick mode: least squares on 2 CPU ranks, all four optimizers."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def _load_suite():
+    spec = importlib.util.spec_from_file_location("convergence", RECIPES / "convergence.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_quick_suite_writes_table_goals_and_curves(tmp_path):
+    cmd = [sys.executable, str(RECIPES / "convergence.py"), "--quick", "--workloads", "lsq", "--lsq_nproc", "2"]
+    cmd += ["--output_dir", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+    runs = json.loads((tmp_path / "results.json").read_text())["results"]["lsq"]
+    assert set(runs) == {"adamw", "powersgd", "onebit_adam", "zeroone_adam"}
+    for name, r in runs.items():
+        assert r["world_size"] == 2 and r["steps"] == 64, name
+        assert math.isfinite(r["metric"]) and r["metric"] > 0, name
+        assert [c[0] for c in r["curve"]] == list(range(1, 65)), name
+        assert all(math.isfinite(c[1]) for c in r["curve"]), name
+        assert r["bytes"] > 0 and r["rounds"] > 0, name
+    adamw = runs["adamw"]
+    assert adamw["train_loss_last10pct"] < 0.5 * adamw["first_loss"]  # AdamW learns
+    assert adamw["metric"] < 0.5 * adamw["first_loss"]
+    # AdamW: one fp32 allreduce of all 4,128 gradients per step (one DDP bucket), 2 ranks: 4 bytes each
+    assert adamw["rounds"] == 64 and adamw["bytes"] == 64 * 4128 * 4
+    for name in ("powersgd", "onebit_adam", "zeroone_adam"):
+        assert runs[name]["bytes"] < adamw["bytes"], name
+
+    table = (tmp_path / "results.md").read_text()
+    for label in ("| lsq | AdamW |", "| lsq | PowerSGD r4 + AdamW |", "| lsq | 1-bit Adam |", "| lsq | 0/1 Adam |"):
+        assert label in table
+    assert "### Goals" in table and "final loss <= 1.25x AdamW's" in table
+    png = (tmp_path / "lsq.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_suite_arguments():
+    suite = _load_suite()
+    with pytest.raises(ValueError, match="--workloads: unknown"):
+        suite.SuiteArguments(workloads="lsq,imagenet")
+    with pytest.raises(ValueError, match="--optimizers: unknown"):
+        suite.SuiteArguments(optimizers="sgd")
+    quick = suite.SuiteArguments(quick=True, lsq_steps=80)
+    assert quick.clm_steps == suite.QUICK["clm_steps"] and quick.lsq_steps == 80  # explicit values win
+    spec = suite.make_spec(suite.SuiteArguments(), "lsq", "zeroone_adam", Path("d"), Path("r"))
+    assert (spec["steps"], spec["freeze_step"], spec["lr"], spec["betas"]) == (640, 200, 1e-2, [0.9, 0.99])
+    assert spec["batch_size"] == 16 and spec["warmup_steps"] == 0
+
+
+def test_goals_are_decided_from_the_numbers():
+    suite = _load_suite()
+
+    def run(metric, steps=1000, sent=100, rounds=100):
+        return {"metric": metric, "steps": steps, "bytes": sent, "rounds": rounds}
+
+    results = {
+        "clm": {
+            "adamw": run(2.0, sent=1000, rounds=1000),
+            "onebit_adam": run(2.01, sent=100, rounds=1000),
+            "zeroone_adam": run(2.05, sent=70, rounds=300),
+        },
+        "finetune": {"adamw": run(80.0, 90), "powersgd": run(79.6, 90), "zeroone_adam": run(79.0, 90)},
+    }
+    verdicts = {(g.split(" (")[0], r): met for g, r, _, met in suite.goals(results)}
+    assert verdicts[("final loss <= 1.01x AdamW's", "clm / 1-bit Adam")] is True
+    assert verdicts[("final loss <= 1.01x AdamW's", "clm / 0/1 Adam")] is False
+    assert verdicts[("0/1 Adam rounds <= 0.4x 1-bit Adam's", "clm, 1000 steps")] is True
+    assert verdicts[("0/1 Adam bytes <= 0.8x 1-bit Adam's", "clm, 1000 steps")] is True
+    assert verdicts[("accuracy >= AdamW - 0.5 points", "finetune / PowerSGD r4 + AdamW")] is True
+    assert verdicts[("accuracy >= AdamW - 0.5 points", "finetune / 0/1 Adam")] is False

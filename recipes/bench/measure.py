@@ -11,7 +11,6 @@ progress lines (``@@`` lines are for the parent's progress bar) and writes the r
 No ``from __future__ import annotations`` here: DDP checks the hooks' ``GradBucket`` annotation at run time.
 """
 
-
 import gc
 import json
 import statistics

@@ -13,9 +13,9 @@ Workloads (``--workloads``, comma-separated):
 * ``clm``: GPT-2-style causal LM pre-training, ``mlm``: BERT-style masked LM pre-training, on the
   embedded corpus and BPE tokenizer of ``pretrain.py`` (stdlib docstrings); metric: held-out
   loss (fixed sequences and masks). 2 ranks.
-* ``lsq``: least squares, ``y = W x + noise`` with one linear layer, 3 ranks, batch 16, lr 1e-2
-  decaying linearly to 0, betas (0.9, 0.99), 640 steps, freeze at step 200: the gradient scale
-  keeps falling after the freeze. Metric: held-out mean squared error.
+* ``lsq``: least squares, ``y = W x + noise`` (128 Gaussian inputs, 32 outputs, noise std 0.1:
+  floor 0.01) with one linear layer, 3 ranks, batch 16, lr 1e-2 decaying linearly to 0, betas
+  (0.9, 0.99), 640 steps, freeze at step 200. Metric: held-out mean squared error.
 
 Optimizers (``--optimizers``) get only user-level settings: lr and its schedule, the run length,
 ``freeze_step`` (1-bit Adam) / ``var_freeze_step`` (0/1 Adam) at the end of the LR warm-up
@@ -23,9 +23,9 @@ Optimizers (``--optimizers``) get only user-level settings: lr and its schedule,
 every other knob is the package's default at run time. PowerSGD is torch's hook at rank 4 with
 AdamW. How bytes and rounds are counted: ``convergence_worker.py``.
 
-Writes ``results.md`` (table + goals), ``results.json`` and ``<workload>.png`` (loss curves) into
-``--output_dir``. Each run is a ``torchrun --standalone`` subprocess; its log is
-``<output_dir>/runs/<workload>/<optimizer>/run.log``. ``--quick`` shrinks everything (smoke test).
+Writes ``results.md`` (table + goals), ``results.json``, ``<workload>.png`` (loss curves) and
+``runs/<workload>/<optimizer>/run.log`` (each run is a ``torchrun --standalone`` subprocess) into
+``--output_dir``. ``--quick`` shrinks everything (smoke test).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class SuiteArguments:
         default=",".join(OPTIMIZERS), metadata={"help": f"Comma-separated: {', '.join(OPTIMIZERS)}."}
     )
     quick: bool = field(default=False, metadata={"help": "Tiny sizes everywhere (smoke test, seconds per run)."})
+    report_only: bool = field(default=False, metadata={"help": "Only rewrite results.md and plots from results.json."})
     nproc: int = field(default=2, metadata={"help": "Ranks for finetune, clm and mlm."})
     lsq_nproc: int = field(default=3, metadata={"help": "Ranks for lsq."})
     timeout: int = field(default=1800, metadata={"help": "Seconds one run may take before it is killed."})
@@ -89,6 +90,7 @@ class SuiteArguments:
     lsq_freeze_step: int = field(default=200, metadata={"help": "Least squares: freeze_step / var_freeze_step."})
     lsq_lr: float = field(default=1e-2, metadata={"help": "Least squares: lr, decaying linearly to 0."})
     lsq_batch_size: int = field(default=16, metadata={"help": "Least squares: samples per rank and step."})
+    lsq_noise: float = field(default=0.1, metadata={"help": "Least squares: label noise std (floor: its square)."})
 
     def __post_init__(self) -> None:
         for name, allowed in (("workloads", WORKLOADS), ("optimizers", OPTIMIZERS)):
@@ -104,11 +106,9 @@ class SuiteArguments:
                     setattr(self, key, value)
 
 
-QUICK = dict(
-    clm_steps=24, mlm_steps=24, lm_batch_size=4, lm_seq_len=32, lm_hidden_size=32, lm_eval_sequences=16,
-    corpus_chars=150_000, vocab_size=512, finetune_epochs=1.0, finetune_per_class=12, finetune_max_length=32,
-    lsq_steps=64, lsq_freeze_step=20, timeout=300,
-)  # fmt: skip
+QUICK = dict(clm_steps=24, mlm_steps=24, lm_batch_size=4, lm_seq_len=32, lm_hidden_size=32, lm_eval_sequences=16,
+             corpus_chars=150_000, vocab_size=512, finetune_epochs=1.0, finetune_per_class=12,
+             finetune_max_length=32, lsq_steps=64, lsq_freeze_step=20, timeout=300)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ data
@@ -151,7 +151,7 @@ def make_spec(args: SuiteArguments, workload: str, optimizer: str, data: Path, r
     elif workload == "lsq":
         spec.update(steps=args.lsq_steps, warmup_steps=0, freeze_step=args.lsq_freeze_step, lr=args.lsq_lr)
         spec.update(betas=[0.9, 0.99], batch_size=args.lsq_batch_size, max_grad_norm=0.0, eval_size=4096)
-        spec.update(lsq_in=128, lsq_out=32, lsq_noise=0.1)
+        spec.update(lsq_in=128, lsq_out=32, lsq_noise=args.lsq_noise)
     else:
         steps = args.clm_steps if workload == "clm" else args.mlm_steps
         warm = max(1, round(steps * args.lm_warmup_ratio))
@@ -270,14 +270,14 @@ def markdown(results: dict, command: str, args: SuiteArguments) -> str:
                 lines.append(f"| {workload} | {LABELS[name]} | failed: {r['error']} | | | | | | | {r['wall_s']:.0f} |")
                 continue
             unit = " pts" if workload == "finetune" else "%"
-            metric = f"{r['metric']:.2f} % acc" if workload == "finetune" else f"{r['metric']:.4f}"
+            metric = f"{r['metric']:.2f} % acc" if workload == "finetune" else f"{r['metric']:.5g}"
             diff = f"{c['diff']:+.2f}{unit}" if "diff" in c else "n/a"
             bx = f"{c['bytes_x']:.3f}" if c.get("bytes_x") is not None else "n/a"
             rx = f"{c['rounds_x']:.3f}" if c.get("rounds_x") is not None else "n/a"
             mb = f"{r['bytes'] / 1e6:.2f}"
             lines.append(
                 f"| {workload} | {LABELS[name]} | {metric} | {diff} | {mb} | {bx} | {r['rounds']} | {rx} "
-                f"| {r['train_loss_last10pct']:.4f} | {r['train_wall_s']:.0f} |"
+                f"| {r['train_loss_last10pct']:.5g} | {r['train_wall_s']:.0f} |"
             )
     lines += ["", GLOSSARY, "", "### Goals", "", "| goal | run | measured | |", "|---|---|---:|---|"]
     for goal, run, measured, met in goals(results):
@@ -302,8 +302,7 @@ GLOSSARY = (
     "PowerSGD runs one bucket at a time (see `convergence_worker.one_bucket_at_a_time`). "
     "Train loss: rank 0's training loss over the last 10% of steps (finetune: the Trainer's logged `loss`, "
     "which on 2 ranks reads about twice the mean cross-entropy: 3.2 at chance with 5 classes, ln 5 = 1.61). "
-    "Wall s: the training loop only, on a "
-    "shared 2-core machine over loopback (not a network speed measure)."
+    "Wall s: the training loop only, on a shared 2-core machine over loopback (not a network speed measure)."
 )
 
 
@@ -371,6 +370,13 @@ def main(argv: list[str] | None = None) -> dict:
     command = " ".join(["python recipes/convergence.py", *argv])
     args.code = code_version()  # reported with the settings
     results: dict[str, dict] = {}
+    if args.report_only:
+        saved = json.loads((out / "results.json").read_text())
+        command, results, args.code = saved["command"], saved["results"], saved.get("code", "unknown")
+        (out / "results.md").write_text(markdown(results, command, args))
+        plot(results, out)
+        print((out / "results.md").read_text())
+        return results
     for workload in args.workloads.split(","):
         data = out
         if workload == "finetune":
@@ -380,13 +386,13 @@ def main(argv: list[str] | None = None) -> dict:
         nproc = args.lsq_nproc if workload == "lsq" else args.nproc
         for name in args.optimizers.split(","):
             spec = make_spec(args, workload, name, data, out / "runs" / workload / name)
-            with tqdm(desc=f"{workload}/{name}", unit="step", leave=True) as bar:
+            with tqdm(desc=f"{workload}/{name}", unit="step", leave=True, mininterval=2.0) as bar:
                 result = launch(spec, nproc, args.timeout, bar)
             results.setdefault(workload, {})[name] = result
             if "error" in result:
                 msg = f"[convergence] {workload}/{name} failed ({result['error']}):\n{result['log_tail']}"
                 print(msg, file=sys.stderr)
-            (out / "results.json").write_text(json.dumps({"command": command, "results": results}))
+            (out / "results.json").write_text(json.dumps({"command": command, "code": args.code, "results": results}))
             (out / "results.md").write_text(markdown(results, command, args))
         plot({workload: results[workload]}, out)
     print("\n" + (out / "results.md").read_text())

@@ -51,6 +51,7 @@ from torch.optim import Optimizer
 from hf_zeroone._tensors import all_finite
 from hf_zeroone.comm import CommStats, Communicator
 from hf_zeroone.compression import ChunkLayout
+from hf_zeroone.optim import _masks
 
 __all__ = ["CompressedAdamBase", "FlatBuffers", "StepKind"]
 
@@ -140,8 +141,10 @@ class CompressedAdamBase(Optimizer):
             ``torch.distributed`` is initialised, or a single process (no communication).
         auto_momentum_mask: at the first compressed step, keep out of compression every element
             whose ``exp_avg_sq`` is exactly zero (it never had a gradient, e.g. position
-            embeddings beyond the sequence length). One bit cannot say zero, so without a mask
-            such elements collect compression error and drift.
+            embeddings beyond the sequence length, or tokens not seen yet). One bit cannot say
+            zero, so without a mask such elements collect compression error and drift. A masked
+            row that later receives a gradient on any rank leaves the mask (one small allreduce
+            per compressed step while rows are masked, see :mod:`hf_zeroone.optim._masks`).
         communicator: an existing :class:`~hf_zeroone.comm.Communicator` to use instead of
             creating one from ``process_group``.
         check_replicas_every: every this many synchronising steps, check that all ranks hold
@@ -283,11 +286,14 @@ class CompressedAdamBase(Optimizer):
     def write_message(self, group: dict[str, Any], p: Tensor, grad: Tensor | None, kind: StepKind, out: Tensor) -> None:
         """Write what this rank sends for ``p`` in a ``kind`` step into ``out`` (fp32, shaped like p).
 
-        Reads the optimizer state and never changes it: a step that is later skipped (non-finite
-        gradients, a GradScaler overflow) leaves no trace.
+        Reads the optimizer state and leaves it unchanged, except for noting which masked rows
+        received a gradient: a step that is later skipped (non-finite gradients, a GradScaler
+        overflow) leaves no other trace.
         """
         if grad is None:
             grad = torch.zeros_like(p)
+        if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):
+            _masks.note_activity(self.state[p], grad)
         if kind.message_is_gradient:
             out.copy_(grad)
             return
@@ -326,6 +332,7 @@ class CompressedAdamBase(Optimizer):
         # An implied gradient (ONEBIT_MOMENTUM) already carries the L2 term of the message.
         g = result if kind is StepKind.ONEBIT_MOMENTUM else self._l2_gradient(group, p, result)
         if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC) and "momentum_mask" in state:
+            _masks.note_activity(state, result)
             # Masked elements stay out of local steps as they stay out of compression: their
             # momentum stays zero. (Their v is usually zero too, so m / (sqrt(v) + eps) would
             # move them by up to lr * (1 - beta1) * g / eps, and every sync would undo it.)
@@ -411,6 +418,49 @@ class CompressedAdamBase(Optimizer):
                 state["momentum_mask"] = mask.clone()
         self.schedule["masks_ready"] = True
         self._flat_cache.clear()
+
+    def _release_masked_rows(self, kind: StepKind) -> None:
+        """Unmask the rows that received a gradient on any rank (see :mod:`hf_zeroone.optim._masks`)."""
+        masked = [(g, p, self.state[p]) for g, p in self.trainable_params() if "momentum_mask" in self.state[p]]
+        if not masked:
+            return
+        if kind is StepKind.EXACT:  # exact gradients updated v: it says which rows had one
+            released = [_masks.released_by_variance(s) for _, _, s in masked]
+        else:
+            flags = [_masks.activity_flags(s) for _, _, s in masked]
+            agreed = torch.cat(flags)
+            if self.comm.is_distributed:
+                agreed = self.comm.allreduce_mean(agreed)
+            released = [
+                _masks.scatter_flags(s, f) for (_, _, s), f in zip(masked, agreed.split([len(f) for f in flags]))
+            ]
+        everywhere = None
+        for (group, p, state), rows in zip(masked, released):
+            state.pop("pending_rows", None)
+            if not bool(rows.any()):
+                continue
+            fallback = _masks.fallback_variance(state)
+            if fallback == 0.0:  # no element of this tensor has a variance: the mean of all tensors
+                if everywhere is None:
+                    everywhere = self._mean_known_variance()
+                fallback = everywhere
+            if fallback == 0.0:
+                continue
+            user = group.get("exp_avg_mask")
+            user_mask = None if user is None else torch.broadcast_to(user.to(p.device) != 0, p.shape)
+            _masks.release_rows(state, rows, user_mask, fallback)
+            self._flat_cache.clear()
+
+    def _mean_known_variance(self) -> float:
+        total, count = 0.0, 0
+        for _, p in self.trainable_params():
+            v = self.state[p]["exp_avg_sq"]
+            known = v != 0
+            if "momentum_mask" in self.state[p]:
+                known &= self.state[p]["momentum_mask"]
+            total += float(v[known].float().sum())
+            count += int(known.sum())
+        return total / count if count else 0.0
 
     def _start_local_phase(self) -> None:
         """Entering local steps: remember the synced parameters, reset u and the error buffers."""
@@ -498,6 +548,8 @@ class CompressedAdamBase(Optimizer):
                     continue  # like torch.optim: a parameter without gradient is left alone
                 out = torch.empty_like(p, dtype=torch.float32)
                 self.write_message(group, p, p.grad, kind, out)
+                if kind.compressed and "momentum_mask" in self.state[p]:
+                    out.mul_(self.state[p]["momentum_mask"])  # as the compressed allreduce does
                 if kind is StepKind.ONEBIT_MOMENTUM:
                     self.implied_gradient(group, p, out)
                 results.append((group, p, out))
@@ -591,6 +643,8 @@ class CompressedAdamBase(Optimizer):
                     self._discard_interval(p)
         if kind is StepKind.EXACT:
             self.schedule["variance_updates"] += 1
+        if kind.communicates and self.schedule["masks_ready"] and self.auto_momentum_mask:
+            self._release_masked_rows(kind)
         self.last_step_stats = self.comm.stats - self._stats_at_step_start
         self.last_step_kind = kind
         self._advance_schedule(kind)
@@ -688,8 +742,9 @@ class CompressedAdamBase(Optimizer):
             for name, value in errors.get(saved_id, {}).items():
                 self.state[p][name] = value.to(device=p.device, dtype=torch.float32, copy=True)
         for state in self.state.values():
-            if "momentum_mask" in state:
-                state["momentum_mask"] = state["momentum_mask"] != 0
+            for name in ("momentum_mask", "pending_rows"):  # booleans, cast to the parameter's dtype by torch
+                if name in state:
+                    state[name] = state[name] != 0
         self.schedule = dict(extra["schedule"])
         self._flat_cache.clear()
         self._prepared_step = -1

@@ -28,6 +28,22 @@ def test_accelerate_launch_two_cpu_processes_with_the_hook(tmp_path):
     assert rows[0]["checksum"] == rows[1]["checksum"]
 
 
+@pytest.mark.slow
+def test_save_state_and_load_state_keep_every_ranks_error_buffers(tmp_path):
+    script = Path(__file__).parent / "scripts" / "accelerate_checkpoint.py"
+    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert rows[0]["files"] == ["hf_zeroone_optimizer_rank0.pt", "hf_zeroone_optimizer_rank1.pt"]
+    for r in rows:  # rank 1 too: its own error buffers, not rank 0's (nor zeros)
+        assert r["has_errors"] and r["differing"] == [], r
+
+
 class _FakeType:
     def __init__(self, name):
         self.name = name

@@ -16,6 +16,9 @@ _EXPORTS = {
     "check_distributed_launch": "hf_zeroone.integrations.launch",
     "SingleProcessWarning": "hf_zeroone.integrations.launch",
     "comm_log_entries": "hf_zeroone.integrations.stats",
+    "RANK_OPTIMIZER_NAME": "hf_zeroone.integrations.checkpoints",
+    "save_rank_state": "hf_zeroone.integrations.checkpoints",
+    "read_rank_state": "hf_zeroone.integrations.checkpoints",
     "unwrap_optimizer": "hf_zeroone.integrations.stats",
 }
 

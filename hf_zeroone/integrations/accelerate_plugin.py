@@ -31,6 +31,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_zeroone.ddp_hook import ZeroOneHookState, register_zeroone_hook
+from hf_zeroone.integrations.checkpoints import read_rank_state, save_rank_state
 from hf_zeroone.integrations.launch import CPU_LAUNCH_HELP, check_distributed_launch, warn_single_process
 from hf_zeroone.integrations.stats import unwrap_optimizer
 from hf_zeroone.optim import CompressedAdamBase
@@ -79,4 +80,31 @@ def prepare_zeroone(accelerator: Any, model: Any, optimizer: Any) -> ZeroOneHook
         )
     state = register_zeroone_hook(model, opt, grad_scaler=getattr(accelerator, "scaler", None))
     state.overflow_check_on_local_steps = accelerator.mixed_precision == "fp16"
+    _keep_every_rank_state(accelerator, opt)
     return state
+
+
+def _keep_every_rank_state(accelerator: Any, opt: CompressedAdamBase) -> None:
+    """Make ``accelerator.save_state`` / ``load_state`` keep each rank's optimizer state.
+
+    ``save_state`` writes rank 0's optimizer state only, and ``load_state`` gives it to every rank,
+    whose error buffers would then be reset. Each rank also writes its own file, and on
+    ``load_state`` each rank loads its own file in place of rank 0's state.
+    """
+    if not hasattr(accelerator, "register_save_state_pre_hook"):
+        return
+
+    def save(models: Any, weights: Any, output_dir: str) -> None:
+        save_rank_state(opt, output_dir)
+
+    def load(models: Any, input_dir: str) -> None:
+        state = read_rank_state(opt, input_dir)
+        if state is not None:
+            opt.defer_rank_state(state)
+
+    for handle in getattr(accelerator, "_hf_zeroone_state_hooks", ()):  # one hf_zeroone optimizer at a time
+        handle.remove()
+    accelerator._hf_zeroone_state_hooks = (
+        accelerator.register_save_state_pre_hook(save),
+        accelerator.register_load_state_pre_hook(load),
+    )

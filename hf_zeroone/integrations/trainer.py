@@ -14,6 +14,7 @@ from transformers import Trainer, TrainerCallback
 
 from hf_zeroone.comm import CommStats
 from hf_zeroone.ddp_hook import ZeroOneHookState, register_zeroone_hook
+from hf_zeroone.integrations.checkpoints import RANK_OPTIMIZER_NAME, read_rank_state, save_rank_state
 from hf_zeroone.integrations.launch import check_distributed_launch, warn_single_process
 from hf_zeroone.integrations.stats import comm_log_entries, unwrap_optimizer
 from hf_zeroone.integrations.training_args import ZeroOneTrainingArguments
@@ -21,8 +22,6 @@ from hf_zeroone.optim import CompressedAdamBase, OneBitAdam, ZeroOneAdam
 
 logger = logging.getLogger(__name__)
 
-#: per-rank optimizer state file in a checkpoint folder (error buffers differ between ranks)
-RANK_OPTIMIZER_NAME = "hf_zeroone_optimizer_rank{rank}.pt"
 _SCHEDULER_NAME = "scheduler.pt"
 
 
@@ -169,22 +168,20 @@ class ZeroOneTrainer(Trainer):
         super()._save_optimizer_and_scheduler(output_dir)
         opt = unwrap_optimizer(self.optimizer)
         if isinstance(opt, CompressedAdamBase):
-            os.makedirs(output_dir, exist_ok=True)
-            path = os.path.join(output_dir, RANK_OPTIMIZER_NAME.format(rank=opt.comm.rank))
-            torch.save(opt.state_dict(), path)
+            save_rank_state(opt, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         opt = unwrap_optimizer(self.optimizer)
         if checkpoint is None or not isinstance(opt, CompressedAdamBase):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        own = os.path.join(checkpoint, RANK_OPTIMIZER_NAME.format(rank=opt.comm.rank))
-        fallback = os.path.join(checkpoint, "optimizer.pt")
-        path = own if os.path.isfile(own) else fallback
-        if not os.path.isfile(path):
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        if path == fallback:
+        state = read_rank_state(opt, checkpoint)
+        if state is None:
+            fallback = os.path.join(checkpoint, "optimizer.pt")
+            if not os.path.isfile(fallback):
+                return super()._load_optimizer_and_scheduler(checkpoint)
             logger.warning("hf_zeroone: no per-rank optimizer state for rank %d in %s", opt.comm.rank, checkpoint)
-        opt.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            state = torch.load(fallback, map_location="cpu", weights_only=True)
+        opt.load_state_dict(state)
         scheduler = os.path.join(checkpoint, _SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             with warnings.catch_warnings():
@@ -192,4 +189,4 @@ class ZeroOneTrainer(Trainer):
                 self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
 
-__all__ = ["CommStatsCallback", "ZeroOneTrainer"]
+__all__ = ["RANK_OPTIMIZER_NAME", "CommStatsCallback", "ZeroOneTrainer"]

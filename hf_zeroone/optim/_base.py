@@ -686,9 +686,18 @@ class CompressedAdamBase(Optimizer):
         }
         return sd
 
+    def defer_rank_state(self, state_dict: dict[str, Any]) -> None:
+        """Make the next :meth:`load_state_dict` load ``state_dict`` instead of the state it is given.
+
+        For frameworks that hand every rank the state saved by rank 0 (``accelerate``'s
+        ``load_state``): each rank defers its own saved state first, keeping its error buffers.
+        """
+        self._deferred_state = state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict`; error buffers from another world size or rank are reset."""
-        state_dict = dict(state_dict)
+        deferred, self._deferred_state = getattr(self, "_deferred_state", None), None
+        state_dict = dict(deferred if deferred is not None else state_dict)
         extra = state_dict.pop(_STATE_KEY, None)
         if extra is None:
             raise ValueError(

@@ -12,8 +12,8 @@ default at run time):
   ``default_hooks.allreduce_hook`` (documented as equivalent to no hook) so that every bucket
   allreduce can be counted.
 * ``powersgd``: AdamW on DDP with torch's ``powerSGD_hook`` (``matrix_approximation_rank=4``,
-  ``start_powerSGD_iter`` = ``freeze_step``, at least 2; other settings torch's defaults), one
-  bucket at a time (:func:`one_bucket_at_a_time`).
+  ``start_powerSGD_iter`` = ``freeze_step``, at least 2; other settings torch's defaults), on a
+  process group of its own, one bucket at a time (:func:`one_bucket_at_a_time`).
 * ``onebit_adam`` / ``zeroone_adam``: ``OneBitAdam`` / ``ZeroOneAdam`` with
   ``register_zeroone_hook`` (the plain-loop path), or ``ZeroOneTrainer`` on ``finetune``.
 
@@ -80,7 +80,7 @@ def attach_communication(ddp, name: str, opt, start: int, counter: HookCounter) 
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif name == "powersgd":
         state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=max(2, start)
+            process_group=dist.new_group(), matrix_approximation_rank=4, start_powerSGD_iter=max(2, start)
         )
         ddp.register_comm_hook(state, one_bucket_at_a_time(powerSGD_hook.powerSGD_hook))
     else:
@@ -93,7 +93,10 @@ def one_bucket_at_a_time(hook):
     torch's PowerSGD hook issues the P and Q allreduces from future callbacks. With several DDP
     buckets on gloo, those can reach the process group in a different order on different ranks
     (seen here: "Received data size doesn't match expected size" at the first compressed step).
-    Waiting for the previous bucket fixes the order; what is computed and sent is unchanged.
+    Waiting for the previous bucket fixes the order; what is computed and sent is unchanged. The
+    hook also gets a process group of its own: under the Trainer (``find_unused_parameters=True``)
+    the run still failed the same way at the first compressed step, most likely because DDP's own
+    allreduce of the used-parameter map interleaved with the P and Q allreduces.
     """
     previous: list = []
 

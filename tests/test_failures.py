@@ -143,3 +143,40 @@ def test_the_exact_mean_of_large_fp16_values_does_not_overflow():
     res = run_ranks(_fp16_mean, 2, timeout=60)
     for out in res:  # 40000 + 40000 overflows fp16 (max 65504); 20000 + 20000 does not
         assert torch.equal(out, torch.full((4,), 40000.0, dtype=torch.float16))
+
+
+def _warning_locations(rank, world):
+    import inspect
+    import warnings
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from hf_zeroone import OneBitAdam
+
+    from _workloads import batches, loss_fn, make_model
+
+    Accelerator(cpu=True)  # AcceleratedOptimizer needs the accelerate state
+    lines = {}
+    for how in ("plain", "lr_scheduler", "accelerate"):
+        model = make_model()
+        opt = OneBitAdam(model.parameters(), freeze_step=2)
+        if how == "lr_scheduler":
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # wraps opt.step
+        stepper = AcceleratedOptimizer(opt, device_placement=False) if how == "accelerate" else opt
+        x, y = batches(rank, 1)[0]
+        loss_fn(model, x, y).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = inspect.currentframe().f_lineno + 1
+            stepper.step()
+        hits = [w for w in caught if "no hf_zeroone DDP hook" in str(w.message)]
+        lines[how] = [(w.filename == __file__, w.lineno == line) for w in hits]
+    return lines
+
+
+@pytest.mark.slow
+def test_the_no_hook_warning_points_at_the_users_line():
+    for how, hits in run_ranks(_warning_locations, 2, timeout=120)[0].items():
+        assert hits == [(True, True)], how

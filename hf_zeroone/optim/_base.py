@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import enum
 import math
+import os
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -58,6 +60,23 @@ __all__ = ["CompressedAdamBase", "FlatBuffers", "StepKind"]
 _STATE_KEY = "hf_zeroone"
 #: state entries kept in float32 whatever the parameter's dtype (error feedback)
 _FP32_STATE = ("worker_error", "server_error")
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` that points a warning raised by this module's caller at the user's code.
+
+    Skips the frames of torch, hf_zeroone, accelerate and transformers (their wrappers around
+    ``step()`` differ between versions); level 1 is the caller of this function.
+    """
+    skip = tuple(
+        os.path.dirname(module.__file__) + os.sep
+        for name in ("torch", "hf_zeroone", "accelerate", "transformers")
+        if (module := sys.modules.get(name)) is not None and getattr(module, "__file__", None)
+    )
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class StepKind(enum.Enum):
@@ -598,7 +617,7 @@ class CompressedAdamBase(Optimizer):
                     "bandwidth is saved: use hf_zeroone.ZeroOneTrainer, "
                     "hf_zeroone.integrations.prepare_zeroone or hf_zeroone.register_zeroone_hook.",
                     UserWarning,
-                    stacklevel=3,  # the caller of step() (step is wrapped by torch.no_grad)
+                    stacklevel=_user_stacklevel(),  # the user's line, whatever wraps step()
                 )
             updates = self._exchange(kind)
         else:  # the hook's results, or local gradients

@@ -22,7 +22,11 @@ Trainer clips between backward and ``step()``):
 * ``EXACT``: the averaged gradient, as with plain DDP;
 * ``ONEBIT_GRADIENT``: the 1-bit averaged gradient, identical on every rank;
 * ``ONEBIT_MOMENTUM``: the averaged gradient implied by the combined momentum
-  (:meth:`~hf_zeroone.optim.CompressedAdamBase.implied_gradient`), identical on every rank;
+  (:meth:`~hf_zeroone.optim.CompressedAdamBase.implied_gradient`), identical on every rank,
+  rescaled per tensor to a gradient-sized norm (:meth:`~hf_zeroone.optim.CompressedAdamBase.norm_proxy`:
+  the root mean square over ranks of the local gradient norms; one extra float per tensor is
+  averaged per bucket); ``step()`` divides the factor out, so clipping scales only this step's
+  gradient contribution to the momentum;
 * ``LOCAL`` and ``ONEBIT_SYNC``: the local gradient; clipping uses the local norm (the update
   is local until the sync, which averages what the clipped local steps accumulated).
 
@@ -113,19 +117,26 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     message, n = flat.message, flat.layout.numel
     message[n:].zero_()
     scale = state.loss_scale()
+    if scale is not None:  # messages in unscaled units
+        grads = [g.div(scale.to(device=g.device, dtype=g.dtype)) for g in grads]
     for p, g, view in zip(params, grads, flat.views(message)):
-        if scale is not None:
-            g = g.div(scale.to(device=g.device, dtype=g.dtype))  # messages in unscaled units
         opt.write_message(opt.group_of(p), p, g, kind, view)
     fut = opt.comm.compressed_allreduce_async(message, flat.worker_error, flat.server_error, flat.layout)
+    if kind is StepKind.ONEBIT_MOMENTUM:  # gradient-sized norms for clipping (see CompressedAdamBase)
+        norms = opt.comm.allreduce_mean_async(opt.local_sq_norms(grads).to(buffer.device))
+        fut = torch.futures.collect_all([fut, norms])
     dtype = buffer.dtype
 
     # The callbacks only compute on tensors: no collective is ever issued inside a callback.
     def to_gradient(f: torch.futures.Future) -> Tensor:
-        combined = f.value()
         if kind is StepKind.ONEBIT_MOMENTUM:
-            for p, view in zip(params, flat.views(combined)):
+            combined, mean_sq = (part.value() for part in f.value())
+            views = flat.views(combined)
+            for p, view in zip(params, views):
                 opt.implied_gradient(opt.group_of(p), p, view)
+            opt.norm_proxy(params, views, mean_sq)
+        else:
+            combined = f.value()
         result = combined[:n]
         if scale is not None:  # scaled again: the GradScaler unscales p.grad before step()
             result = result.mul(scale.to(device=result.device, dtype=result.dtype))

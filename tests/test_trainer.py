@@ -167,6 +167,30 @@ def test_resume_continues_bit_identically_and_on_another_world_size_warns(tmp_pa
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+def _clip_choice(rank, world, out_dir, max_grad_norm):
+    from hf_zeroone import ZeroOneTrainer
+
+    from _hf import TokenParityDataset, tiny_bert
+
+    args = _args(out_dir, optim_compression="onebit_adam", max_steps=60, warmup_steps=6, max_grad_norm=max_grad_norm)
+    trainer = ZeroOneTrainer(model=tiny_bert(), args=args, train_dataset=TokenParityDataset(n=1024))
+    trainer.train()
+    return [e for e in trainer.state.log_history if "loss" in e]
+
+
+@pytest.mark.slow
+def test_onebit_adam_with_the_trainers_default_clipping_learns_as_without_clipping(tmp_path):
+    clipped = run_ranks(_clip_choice, 2, str(tmp_path / "a"), 1.0, timeout=300)[0]
+    free = run_ranks(_clip_choice, 2, str(tmp_path / "b"), 0.0, timeout=300)[0]
+
+    def late_loss(log):
+        return sum(e["loss"] for e in log[-15:]) / 15
+
+    assert late_loss(clipped) < 1.02 * late_loss(free), (late_loss(clipped), late_loss(free))
+    norms = torch.tensor([e["grad_norm"] for e in clipped])
+    assert norms[10:].median() < 2 * norms[2:6].median(), norms  # gradient-sized after compression starts
+
+
 def test_an_epoch_based_run_derives_the_schedule_from_its_length(tmp_path):
     """transformers 4.x creates the optimizer before its TrainerState knows max_steps."""
     from transformers import TrainingArguments

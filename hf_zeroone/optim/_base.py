@@ -22,9 +22,14 @@ of 0/1 Adam's local phase) lose the overlap with backward.
 
 For ``ONEBIT_MOMENTUM`` the combined momentum ``m'`` is turned into the gradient it implies,
 ``g = (m' - beta1 * m) / (1 - beta1)`` (:meth:`CompressedAdamBase.implied_gradient`), identical on
-every rank; ``m <- beta1 * m + (1 - beta1) * g`` then gives back ``m'``. So on every step that
-communicates, what sits in ``p.grad`` after a DDP hook is an averaged gradient, and gradient
-clipping (the Trainer clips between backward and ``step()``) means what it means with plain DDP.
+every rank; ``m <- beta1 * m + (1 - beta1) * g`` then gives back ``m'``. That ``g`` carries the
+1-bit compression noise times ``1 / (1 - beta1)``: its norm can be 10-20 times the true gradient's,
+and a clipping threshold meant for gradients would cut every step. So ``g`` is handed on rescaled,
+per tensor, to the root mean square over ranks of the local gradients' norms (exact: one float per
+tensor, averaged alongside), :meth:`CompressedAdamBase.norm_proxy`; ``step()`` divides the factor
+out again. Unclipped, the step reproduces ``m'``; clipped by ``s``, the step's gradient
+contribution is ``s * g``, so clipping sees a gradient-sized norm and still damps a real spike.
+On every other step that communicates, ``p.grad`` after a DDP hook is an averaged gradient.
 
 The messages are computed by :meth:`CompressedAdamBase.write_message` and the results applied by
 :meth:`CompressedAdamBase.step`. Two callers compute messages: ``step`` itself when nobody
@@ -228,6 +233,9 @@ class CompressedAdamBase(Optimizer):
         self._warned_step_path = False
         self.check_replicas_every = check_replicas_every
         self._syncs_since_check = 0
+        #: per parameter, the factor :meth:`norm_proxy` applied to this step's implied gradient and
+        #: the norm it handed on
+        self._norm_proxy_factors: dict[Tensor, tuple[Tensor, Tensor]] = {}
         for group in self.param_groups:
             self._check_group(group)
 
@@ -337,6 +345,28 @@ class CompressedAdamBase(Optimizer):
         beta1 = group["betas"][0]
         m = self.state[p]["exp_avg"].to(combined_momentum.dtype)
         return torch.lerp(m, combined_momentum, 1.0 / (1.0 - beta1), out=combined_momentum)
+
+    def norm_proxy(self, params: Sequence[Tensor], implied: Sequence[Tensor], mean_sq_norms: Tensor) -> None:
+        """Rescale each implied gradient in place to a gradient-sized norm; :meth:`step` undoes it.
+
+        ``mean_sq_norms[i]`` is the mean over ranks of ``||g_i||^2`` for ``params[i]`` (exact), so the
+        norm a clipping function sees is the root mean square of the ranks' local gradient norms.
+        """
+        for p, view, mean_sq in zip(params, implied, mean_sq_norms):
+            norm = torch.linalg.vector_norm(view)
+            ok = (norm > 0) & (mean_sq > 0) & torch.isfinite(norm)
+            factor = torch.where(ok, mean_sq.sqrt() / norm, torch.ones_like(norm))
+            view.mul_(factor)
+            self._norm_proxy_factors[p] = (factor, torch.where(ok, mean_sq.sqrt(), norm))
+
+    @staticmethod
+    def local_sq_norms(grads: Sequence[Tensor | None]) -> Tensor:
+        """``||g||^2`` of each local gradient (0 for ``None``), as one float32 vector."""
+        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack(
+            [zero if g is None else torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]
+        )
 
     def _apply(self, group: dict[str, Any], p: Tensor, result: Tensor, kind: StepKind) -> None:
         """Update ``p`` and its state from the combined ``result`` (or the local gradient)."""
@@ -594,9 +624,31 @@ class CompressedAdamBase(Optimizer):
             combined = self.comm.allreduce_mean(message)
         results = [(group, p, view) for (group, p), view in zip(pairs, views(combined))]
         if kind is StepKind.ONEBIT_MOMENTUM:
+            mean_sq = self.comm.allreduce_mean(self.local_sq_norms([p.grad for p in params]).to(params[0].device))
             for group, p, view in results:
                 self.implied_gradient(group, p, view)
+            self.norm_proxy(params, [v for _, _, v in results], mean_sq)  # as the hook does, so that
+            results = [(g, p, self._undo_norm_proxy(p, v)) for g, p, v in results]  # both paths agree
         return results
+
+    def _undo_norm_proxy(self, p: Tensor, value: Tensor) -> Tensor:
+        """The implied gradient back from what :meth:`norm_proxy` handed on (and clipping left).
+
+        If clipping scaled it by ``s < 1``, the error-feedback buffers of ``p`` are scaled by ``s``
+        too: they hold the rest of this step's message, and a gradient spike left there would
+        otherwise flow into the next steps' messages, past the clipping.
+        """
+        entry = self._norm_proxy_factors.pop(p, None)
+        if entry is None:
+            return value
+        factor, handed_norm = entry
+        clipped = torch.linalg.vector_norm(value.float()) / handed_norm
+        if bool(clipped < 1.0 - 1e-6):
+            state = self.state[p]
+            for key in _FP32_STATE:
+                if key in state:
+                    state[key].mul_(clipped)
+        return value / factor.to(value.dtype)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -622,6 +674,8 @@ class CompressedAdamBase(Optimizer):
             updates = self._exchange(kind)
         else:  # the hook's results, or local gradients
             updates = [(g, p, p.grad) for g, p in self.trainable_params() if p.grad is not None]
+            if kind is StepKind.ONEBIT_MOMENTUM and hook_done:
+                updates = [(g, p, self._undo_norm_proxy(p, v)) for g, p, v in updates]
         for _, _, value in updates:
             if value.is_sparse:
                 raise ValueError(f"{type(self).__name__} does not support sparse gradients")

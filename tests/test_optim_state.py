@@ -129,3 +129,40 @@ def test_zero_grad_forgets_results_of_a_step_that_was_never_taken():
         warnings.simplefilter("error")
         p.grad = torch.ones(3)
         opt.step()
+
+
+def _kinds(opt, p, lr_lambda, steps):
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    kinds = []
+    for _ in range(steps):
+        kinds.append(opt.next_step_kind())
+        p.grad = torch.ones_like(p)
+        opt.step()
+        scheduler.step()
+    return kinds
+
+
+def test_zeroone_adam_communicates_exactly_while_the_learning_rate_rises_by_default():
+    def warmup_then_decay(step):
+        return (step + 1) / 12 if step < 12 else max(0.0, (40 - step) / 28)
+
+    p = torch.nn.Parameter(torch.ones(4))
+    kinds = _kinds(ZeroOneAdam([p], lr=1e-2, var_freeze_step=30, var_update_scaler=1), p, warmup_then_decay, 30)
+    assert kinds[:12] == [StepKind.EXACT] * 12  # the whole LR warm-up
+    assert kinds[12:14] == [StepKind.EXACT, StepKind.ONEBIT_GRADIENT]  # then the paper's T_v from its start
+    # a constant learning rate has no warm-up: the paper's schedule from the second step
+    q = torch.nn.Parameter(torch.ones(4))
+    constant = _kinds(ZeroOneAdam([q], lr=1e-2, var_freeze_step=30, var_update_scaler=1), q, lambda s: 1.0, 4)
+    assert constant[:3] == [StepKind.EXACT, StepKind.EXACT, StepKind.ONEBIT_GRADIENT]
+    # exact_warmup_steps=0 is the paper's schedule whatever the learning rate does
+    r = torch.nn.Parameter(torch.ones(4))
+    paper = ZeroOneAdam([r], lr=1e-2, var_freeze_step=30, var_update_scaler=1, exact_warmup_steps=0)
+    assert _kinds(paper, r, warmup_then_decay, 3)[1] is StepKind.ONEBIT_GRADIENT
+
+
+def test_zeroone_adam_takes_local_steps_in_runs_shorter_than_deepspeeds_scaler():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = ZeroOneAdam([p], lr=1e-2, var_freeze_step=40)
+    assert opt.local_step_scaler == 10
+    kinds = _kinds(opt, p, lambda s: 1.0, 200)
+    assert kinds[150:].count(StepKind.LOCAL) > 40  # the sync gap reached 16 well before the end

@@ -243,7 +243,7 @@ def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
         "var_freeze_step": 20,
         "exact_warmup_steps": 10,
         "var_update_scaler": 16,
-        "local_step_scaler": 32678,
+        "local_step_scaler": 61,  # (1000 - 20) // (4 * log2(16)): the gap reaches 16 a quarter into the local phase
         "local_step_clipper": 16,
     }
     help_text = HfArgumentParser(ZeroOneTrainingArguments).format_help()

@@ -49,9 +49,13 @@ class ZeroOneTrainingArguments(TrainingArguments):
         default=16,
         metadata={"help": "0/1 Adam: variance updates between doublings of the variance-update gap."},
     )
-    local_step_scaler: int = field(
-        default=32678,
-        metadata={"help": "0/1 Adam: local-phase steps between doublings of the sync gap (DeepSpeed default)."},
+    local_step_scaler: int | None = field(
+        default=None,
+        metadata={
+            "help": "0/1 Adam: local-phase steps between doublings of the sync gap (default: derived from the run "
+            "length, so that the gap reaches local_step_clipper a quarter of the way into the local phase; "
+            "DeepSpeed's default is 32678)."
+        },
     )
     local_step_clipper: int = field(
         default=16,
@@ -110,7 +114,7 @@ class ZeroOneTrainingArguments(TrainingArguments):
         if self.check_replicas_every < 0:
             raise ValueError(f"check_replicas_every must be >= 0, got {self.check_replicas_every}")
         for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def _warmup_ratio_to_steps(self) -> None:
@@ -132,11 +136,16 @@ class ZeroOneTrainingArguments(TrainingArguments):
         if self.optim_compression == "onebit_adam":
             return {"freeze_step": warmup if self.freeze_step is None else self.freeze_step}
         if self.optim_compression == "zeroone_adam":
+            var_freeze = 2 * warmup if self.var_freeze_step is None else self.var_freeze_step
+            scaler = self.local_step_scaler
+            if scaler is None:  # the gap doubles log2(clipper) times within the first quarter of the local phase
+                doublings = max(1, math.ceil(math.log2(max(2, self.local_step_clipper))))
+                scaler = max(1, (num_training_steps - var_freeze) // (4 * doublings))
             return {
-                "var_freeze_step": 2 * warmup if self.var_freeze_step is None else self.var_freeze_step,
+                "var_freeze_step": var_freeze,
                 "exact_warmup_steps": warmup if self.exact_warmup_steps is None else self.exact_warmup_steps,
                 "var_update_scaler": self.var_update_scaler,
-                "local_step_scaler": self.local_step_scaler,
+                "local_step_scaler": scaler,
                 "local_step_clipper": self.local_step_clipper,
             }
         return {}

@@ -72,15 +72,21 @@ class ZeroOneAdam(CompressedAdamBase):
         var_freeze_step: first step of phase 2 (at least 1; usually the end of the LR warm-up).
         var_update_scaler: variance updates between doublings of the variance-step gap
             (:math:`\kappa` in the paper).
-        local_step_scaler: local-phase steps between doublings of the sync gap.
+        local_step_scaler: local-phase steps between doublings of the sync gap. ``None`` (default):
+            ``max(1, var_freeze_step // 4)``, so the gap reaches ``local_step_clipper`` about
+            ``var_freeze_step`` steps into the local phase. (DeepSpeed's 32678 means no local
+            steps at all in a run shorter than about 32k steps.)
         local_step_clipper: largest sync gap (:math:`H` in the paper).
         exact_warmup_steps: number of first steps that are all exact variance steps. 0/1 Adam
             sends 1-bit gradients from its second variance gap on; in short fine-tuning or
-            language-model runs that can stall on an early plateau that Adam escapes. Exact
-            communication through the LR warm-up (e.g. the first 10% of steps) fixes it for a few
-            percent more bytes. ``0`` (the default) is the paper's and DeepSpeed's schedule; in a
-            1,000-step BERT MLM benchmark with small batches it diverged late in the local phase
-            while exact warm-up tracked AdamW (``docs/benchmark.md``).
+            language-model runs that can stall on an early plateau that Adam escapes (+22.6% final
+            loss on a 400-step GPT-2 run). Exact communication through the LR warm-up fixes it for
+            a few percent more bytes. ``None`` (the default): every step is exact while the
+            learning rate is still rising (the optimizer sees it at every step: a warm-up of any
+            scheduler), from the first step that does not raise it on the paper's schedule. ``0``
+            is the paper's and DeepSpeed's schedule; in a 1,000-step BERT MLM benchmark with small
+            batches it diverged late in the local phase while exact warm-up tracked AdamW
+            (``docs/benchmark.md``).
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
         communicator, check_replicas_every: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
     """
@@ -102,10 +108,10 @@ class ZeroOneAdam(CompressedAdamBase):
         weight_decay: float = 0.0,
         var_freeze_step: int = 100000,
         var_update_scaler: int = 16,
-        local_step_scaler: int = 32678,
+        local_step_scaler: int | None = None,
         local_step_clipper: int = 16,
         *,
-        exact_warmup_steps: int = 0,
+        exact_warmup_steps: int | None = None,
         bias_correction: bool = True,
         decoupled_weight_decay: bool = True,
         process_group: dist.ProcessGroup | None = None,
@@ -123,9 +129,12 @@ class ZeroOneAdam(CompressedAdamBase):
             )
         _check_int("var_freeze_step", var_freeze_step, 1)
         _check_int("var_update_scaler", var_update_scaler, 1)
+        if local_step_scaler is None:
+            local_step_scaler = max(1, var_freeze_step // 4)
         _check_int("local_step_scaler", local_step_scaler, 1)
         _check_int("local_step_clipper", local_step_clipper, 1)
-        _check_int("exact_warmup_steps", exact_warmup_steps, 0)
+        if exact_warmup_steps is not None:
+            _check_int("exact_warmup_steps", exact_warmup_steps, 0)
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
@@ -154,12 +163,25 @@ class ZeroOneAdam(CompressedAdamBase):
             "local_steps_at_interval": 0,
             "steps_since_sync": 0,
             "local_phase_started": False,
+            # exact_warmup_steps=None: the warm-up lasts while the learning rate rises
+            "lr_rising": True,
+            "last_lrs": None,
         }
+
+    def _in_exact_warmup(self) -> bool:
+        """Whether the coming step belongs to the exact warm-up (see ``exact_warmup_steps``)."""
+        s = self.schedule
+        if self.exact_warmup_steps is not None:
+            return s["step"] < self.exact_warmup_steps
+        if not s.get("lr_rising", False):
+            return False
+        last = s.get("last_lrs")
+        return last is None or any(g["lr"] > lr for g, lr in zip(self.param_groups, last))
 
     def next_step_kind(self) -> StepKind:
         s = self.schedule
         if s["step"] < self.var_freeze_step:
-            if s["step"] < self.exact_warmup_steps or s["steps_since_var_update"] + 1 >= s["var_interval"]:
+            if self._in_exact_warmup() or s["steps_since_var_update"] + 1 >= s["var_interval"]:
                 return StepKind.EXACT
             return StepKind.ONEBIT_GRADIENT
         if s["steps_since_sync"] + 1 >= s["local_step_interval"]:
@@ -168,9 +190,12 @@ class ZeroOneAdam(CompressedAdamBase):
 
     def _advance_schedule(self, kind: StepKind) -> None:
         s = self.schedule
+        in_warmup = self._in_exact_warmup()
+        s["lr_rising"] = in_warmup and s.get("lr_rising", False)  # once over, the warm-up stays over
+        s["last_lrs"] = [float(g["lr"]) for g in self.param_groups]
         if kind is StepKind.EXACT:
             s["steps_since_var_update"] = 0
-            if s["step"] >= self.exact_warmup_steps:
+            if not in_warmup:
                 s["var_updates_at_interval"] += 1
                 if s["var_updates_at_interval"] == self.var_update_scaler:
                     s["var_updates_at_interval"] = 0

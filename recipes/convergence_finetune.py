@@ -17,7 +17,6 @@ optimizers' schedule is whatever ``ZeroOneTrainingArguments`` derives from the w
 
 from __future__ import annotations
 
-import ast
 import json
 import random
 import re
@@ -32,6 +31,8 @@ def docstring_dataset(
     packages: tuple[str, ...] = PACKAGES, per_class: int = 0, eval_fraction: float = 0.4, seed: int = 0
 ) -> dict:
     """``{"labels": [...], "train": [[text, label], ...], "eval": [...]}`` from the stdlib's docstrings."""
+    from pretrain import file_docstrings  # recipes/ is on sys.path (see convergence.py)
+
     root = Path(sysconfig.get_paths()["stdlib"])
     names = re.compile(r"\b(" + "|".join(re.escape(p) for p in packages) + r")\b", re.IGNORECASE)
     by_class = []
@@ -40,15 +41,7 @@ def docstring_dataset(
         for path in sorted((root / pkg).rglob("*.py")):
             if any(part in ("test", "tests") for part in path.parts):
                 continue
-            try:
-                tree = ast.parse(path.read_text(encoding="utf-8"))
-            except (SyntaxError, UnicodeDecodeError, OSError):
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) >= 60:
-                        texts.add(" ".join(names.sub(" ", doc).split()))
+            texts.update(" ".join(names.sub(" ", doc).split()) for doc in file_docstrings(path, 60))
         by_class.append(sorted(texts))
     smallest = min(len(t) for t in by_class)
     n = smallest if per_class <= 0 else per_class

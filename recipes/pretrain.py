@@ -87,6 +87,20 @@ class PretrainArguments:
 
 
 # ----------------------------------------------------------------------------------- data
+def file_docstrings(path: Path, min_chars: int) -> list[str]:
+    """Docstrings of a source file's module, classes and functions (parsed, never imported).
+
+    Only those of at least ``min_chars`` characters; none if the file cannot be read or parsed.
+    """
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return []
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docs = (ast.get_docstring(node) for node in ast.walk(tree) if isinstance(node, kinds))
+    return [doc for doc in docs if doc and len(doc) >= min_chars]
+
+
 def embedded_corpus(max_chars: int) -> list[str]:
     """Docstrings of the standard library's modules, classes and functions (read, not imported)."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -94,16 +108,9 @@ def embedded_corpus(max_chars: int) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         if any(part in ("test", "tests", "idle_test", "site-packages") for part in path.parts):
             continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > 80:
-                    texts.append(" ".join(doc.split()))
-                    total += len(texts[-1])
+        for doc in file_docstrings(path, 81):
+            texts.append(" ".join(doc.split()))
+            total += len(texts[-1])
         if total >= max_chars:
             break
     if not texts:

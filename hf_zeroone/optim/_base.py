@@ -63,6 +63,9 @@ from hf_zeroone.optim import _masks
 __all__ = ["CompressedAdamBase", "FlatBuffers", "StepKind"]
 
 _STATE_KEY = "hf_zeroone"
+#: clipping that keeps less than this fraction of 1-bit Adam's implied gradient is treated as a
+#: spike: the error buffers are scaled with it (see CompressedAdamBase._undo_norm_proxy)
+_SPIKE_CLIP = 0.1
 #: state entries kept in float32 whatever the parameter's dtype (error feedback)
 _FP32_STATE = ("worker_error", "server_error")
 
@@ -634,16 +637,19 @@ class CompressedAdamBase(Optimizer):
     def _undo_norm_proxy(self, p: Tensor, value: Tensor) -> Tensor:
         """The implied gradient back from what :meth:`norm_proxy` handed on (and clipping left).
 
-        If clipping scaled it by ``s < 1``, the error-feedback buffers of ``p`` are scaled by ``s``
-        too: they hold the rest of this step's message, and a gradient spike left there would
-        otherwise flow into the next steps' messages, past the clipping.
+        If clipping cut it to less than ``_SPIKE_CLIP`` of its norm (a spike, not the routine
+        clipping of a run whose gradients hover above the threshold), the error-feedback buffers
+        of ``p`` are scaled by the same factor: they hold the rest of this step's message, and the
+        spike left there would otherwise flow into the next steps' messages, past the clipping.
+        Routine clipping leaves them alone: scaling them on every step discards the compression
+        residuals error feedback needs.
         """
         entry = self._norm_proxy_factors.pop(p, None)
         if entry is None:
             return value
         factor, handed_norm = entry
         clipped = torch.linalg.vector_norm(value.float()) / handed_norm
-        if bool(clipped < 1.0 - 1e-6):
+        if bool(clipped < _SPIKE_CLIP):
             state = self.state[p]
             for key in _FP32_STATE:
                 if key in state:

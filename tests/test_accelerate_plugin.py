@@ -24,7 +24,8 @@ def test_accelerate_launch_two_cpu_processes_with_the_hook(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in rows] == [0, 1]
-    assert all(r["world"] == 2 and r["hook"] and r["steps"] == 12 and r["bytes"] > 0 for r in rows)
+    assert all(r["world"] == 2 and r["hook"] and r["steps"] == 13 and r["bytes"] > 0 for r in rows)
+    assert rows[0]["last_kind"] == "onebit_sync"  # replicas agree after every sync
     assert rows[0]["checksum"] == rows[1]["checksum"]
 
 

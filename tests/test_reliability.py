@@ -165,7 +165,12 @@ def _edge_shapes(rank, world):
     frozen = torch.nn.Parameter(torch.ones(4), requires_grad=False)
     late = torch.nn.Parameter(torch.randn(5))
     opt = ZeroOneAdam(
-        [scalar, empty, odd, frozen], lr=0.05, var_freeze_step=4, var_update_scaler=1, check_replicas_every=1
+        [scalar, empty, odd, frozen],
+        lr=0.05,
+        var_freeze_step=4,
+        var_update_scaler=1,
+        local_step_scaler=1000,  # every local-phase step syncs, so the final parameters agree
+        check_replicas_every=1,
     )
     g = torch.Generator().manual_seed(rank)
     for step in range(10):

@@ -92,7 +92,10 @@ def _user_optimizer(rank, world, out_dir, plain):
             opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=3)
             trainer = Trainer(model=model, args=args, train_dataset=TokenParityDataset(), optimizers=(opt, None))
         else:
-            opt = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=6, var_update_scaler=1)
+            # local_step_scaler: every local-phase step syncs, so the final parameters agree
+            opt = ZeroOneAdam(
+                model.parameters(), lr=1e-3, var_freeze_step=6, var_update_scaler=1, local_step_scaler=1000
+            )
             trainer = ZeroOneTrainer(model=model, args=args, train_dataset=TokenParityDataset(), optimizers=(opt, None))
         trainer.train()
     return {

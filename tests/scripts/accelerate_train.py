@@ -22,7 +22,7 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     optimizer = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2, local_step_clipper=2)
     g = torch.Generator().manual_seed(accelerator.process_index)
-    data = [(torch.randn(16, 8, generator=g),) for _ in range(12)]
+    data = [(torch.randn(16, 8, generator=g),) for _ in range(13)]  # ends on a sync (replicas agree)
     model, optimizer = accelerator.prepare(model, optimizer)
     state = prepare_zeroone(accelerator, model, optimizer)
     for (x,) in data:
@@ -39,6 +39,7 @@ def main() -> None:
         "checksum": checksum,
         "bytes": inner.comm_stats.bytes_sent,
         "steps": inner.schedule["step"],
+        "last_kind": inner.last_step_kind.value,
         "loss": float(loss),
     }
     with open(os.path.join(sys.argv[1], f"rank{accelerator.process_index}.json"), "w") as f:

@@ -13,16 +13,21 @@ pytest.importorskip("accelerate")
 SCRIPT = Path(__file__).parent / "scripts" / "accelerate_train.py"
 
 
-@pytest.mark.slow
-def test_accelerate_launch_two_cpu_processes_with_the_hook(tmp_path):
+def _launch_two_cpu_ranks(script: Path, out_dir: Path) -> list[dict]:
+    """Run ``script out_dir`` under ``accelerate launch`` on 2 CPU processes; return each rank's JSON."""
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(tmp_path),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(out_dir),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_accelerate_launch_two_cpu_processes_with_the_hook(tmp_path):
+    rows = _launch_two_cpu_ranks(SCRIPT, tmp_path)
     assert [r["rank"] for r in rows] == [0, 1]
     assert all(r["world"] == 2 and r["hook"] and r["steps"] == 13 and r["bytes"] > 0 for r in rows)
     assert rows[0]["last_kind"] == "onebit_sync"  # replicas agree after every sync
@@ -31,15 +36,7 @@ def test_accelerate_launch_two_cpu_processes_with_the_hook(tmp_path):
 
 @pytest.mark.slow
 def test_save_state_and_load_state_keep_every_ranks_error_buffers(tmp_path):
-    script = Path(__file__).parent / "scripts" / "accelerate_checkpoint.py"
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    rows = _launch_two_cpu_ranks(Path(__file__).parent / "scripts" / "accelerate_checkpoint.py", tmp_path)
     assert rows[0]["files"] == ["hf_zeroone_optimizer_rank0.pt", "hf_zeroone_optimizer_rank1.pt"]
     for r in rows:  # rank 1 too: its own error buffers, not rank 0's (nor zeros)
         assert r["has_errors"] and r["differing"] == [], r

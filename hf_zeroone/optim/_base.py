@@ -486,33 +486,24 @@ class CompressedAdamBase(Optimizer):
             released = [
                 _masks.scatter_flags(s, f) for (_, _, s), f in zip(masked, agreed.split([len(f) for f in flags]))
             ]
-        everywhere = None
+        everywhere = None  # mean known variance over all tensors, computed only if needed
         for (group, p, state), rows in zip(masked, released):
-            state.pop("pending_rows", None)
+            _masks.clear_activity(state)
             if not bool(rows.any()):
                 continue
-            fallback = _masks.fallback_variance(state)
-            if fallback == 0.0:  # no element of this tensor has a variance: the mean of all tensors
+            total, count = _masks.known_variance(state)
+            if count == 0:  # no element of this tensor has a variance: the mean of all tensors
                 if everywhere is None:
-                    everywhere = self._mean_known_variance()
-                fallback = everywhere
-            if fallback == 0.0:
+                    sums = [_masks.known_variance(self.state[q]) for _, q in self.trainable_params()]
+                    n = sum(c for _, c in sums)
+                    everywhere = sum(t for t, _ in sums) / n if n else 0.0
+                total, count = everywhere, 1
+            if total == 0.0:
                 continue
             user = group.get("exp_avg_mask")
             user_mask = None if user is None else torch.broadcast_to(user.to(p.device) != 0, p.shape)
-            _masks.release_rows(state, rows, user_mask, fallback)
+            _masks.release_rows(state, rows, user_mask, total / count)
             self._flat_cache.clear()
-
-    def _mean_known_variance(self) -> float:
-        total, count = 0.0, 0
-        for _, p in self.trainable_params():
-            v = self.state[p]["exp_avg_sq"]
-            known = v != 0
-            if "momentum_mask" in self.state[p]:
-                known &= self.state[p]["momentum_mask"]
-            total += float(v[known].float().sum())
-            count += int(known.sum())
-        return total / count if count else 0.0
 
     def _start_local_phase(self) -> None:
         """Entering local steps: remember the synced parameters, reset u and the error buffers."""

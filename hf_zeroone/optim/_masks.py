@@ -25,7 +25,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["masked_rows", "note_activity", "release_rows", "rows"]
+__all__ = [
+    "activity_flags",
+    "clear_activity",
+    "known_variance",
+    "masked_rows",
+    "note_activity",
+    "release_rows",
+    "released_by_variance",
+    "rows",
+    "scatter_flags",
+]
 
 
 def rows(t: Tensor) -> Tensor:
@@ -67,12 +77,13 @@ def release_rows(state: dict[str, Any], released: Tensor, user_mask: Tensor | No
         del state["momentum_mask"]
 
 
-def fallback_variance(state: dict[str, Any]) -> float:
-    """Mean variance of the unmasked elements with a variance (``0.0`` if there are none)."""
+def known_variance(state: dict[str, Any]) -> tuple[float, int]:
+    """Sum and count of the non-zero variances of the unmasked elements."""
     v = state["exp_avg_sq"]
-    known = state["momentum_mask"] & (v != 0)
-    count = int(known.sum())
-    return float(v[known].float().sum() / count) if count else 0.0
+    known = v != 0
+    if "momentum_mask" in state:
+        known &= state["momentum_mask"]
+    return float(v[known].float().sum()), int(known.sum())
 
 
 def clear_activity(state: dict[str, Any]) -> None:

@@ -110,31 +110,39 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
         if check or (check is None and buffer.dtype == torch.float16):
             return _agree_on_overflow(opt, buffer)
         return _done(buffer)
-    if kind is StepKind.EXACT:
-        return opt.comm.allreduce_mean_async(buffer)
     params, grads = bucket.parameters(), bucket.gradients()
-    flat = opt.flat_buffers(params)
-    message, n = flat.message, flat.layout.numel
-    message[n:].zero_()
     scale = state.loss_scale()
     if scale is not None:  # messages in unscaled units
         grads = [g.div(scale.to(device=g.device, dtype=g.dtype)) for g in grads]
+    if kind is StepKind.EXACT:
+        if opt.follow_gradient_scale:
+            return _exact_with_scale(opt, buffer, params, grads, scale)
+        return opt.comm.allreduce_mean_async(buffer)
+    flat = opt.flat_buffers(params)
+    message, n = flat.message, flat.layout.numel
+    message[n:].zero_()
     for p, g, view in zip(params, grads, flat.views(message)):
         opt.write_message(opt.group_of(p), p, g, kind, view)
     fut = opt.comm.compressed_allreduce_async(message, flat.worker_error, flat.server_error, flat.layout)
-    if kind is StepKind.ONEBIT_MOMENTUM:  # gradient-sized norms for clipping (see CompressedAdamBase)
-        norms = opt.comm.allreduce_mean_async(opt.local_sq_norms(grads).to(buffer.device))
-        fut = torch.futures.collect_all([fut, norms])
+    if kind is StepKind.ONEBIT_MOMENTUM:
+        # The mean over ranks of the local squared norms, one float per tensor: gradient-sized norms
+        # for clipping (see CompressedAdamBase), and the gradient's scale (hf_zeroone.optim._grad_scale).
+        floats = opt.local_sq_norms(grads)
+        if opt.follow_gradient_scale:
+            floats = torch.cat([floats, opt.scale_samples(params, grads)])
+        fut = torch.futures.collect_all([fut, opt.comm.allreduce_mean_async(floats.to(buffer.device))])
     dtype = buffer.dtype
 
     # The callbacks only compute on tensors: no collective is ever issued inside a callback.
     def to_gradient(f: torch.futures.Future) -> Tensor:
         if kind is StepKind.ONEBIT_MOMENTUM:
-            combined, mean_sq = (part.value() for part in f.value())
+            combined, floats = (part.value() for part in f.value())
             views = flat.views(combined)
             for p, view in zip(params, views):
                 opt.implied_gradient(opt.group_of(p), p, view)
-            opt.norm_proxy(params, views, mean_sq)
+            opt.norm_proxy(params, views, floats[: len(params)])
+            if opt.follow_gradient_scale:
+                opt.record_grad_sq(params, floats[len(params) :])
         else:
             combined = f.value()
         result = combined[:n]
@@ -143,6 +151,32 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
         return result.to(dtype)
 
     return fut.then(to_gradient)
+
+
+def _exact_with_scale(opt: CompressedAdamBase, buffer: Tensor, params: list, grads: list, scale: "Tensor | None"):  # noqa: ANN202
+    """Average the bucket in full precision, and the local squared norms of its gradients alongside.
+
+    The squared norms (one float per tensor) let the optimizer follow the gradient's scale after
+    the variance freeze (:mod:`hf_zeroone.optim._grad_scale`); they are taken before the bucket
+    is overwritten by the average.
+    """
+    samples = opt.scale_samples(params, grads).to(buffer.device)
+    fut = torch.futures.collect_all([opt.comm.allreduce_mean_async(buffer), opt.comm.allreduce_mean_async(samples)])
+
+    def record(f: torch.futures.Future) -> Tensor:
+        averaged, mean_samples = (part.value() for part in f.value())
+        offsets = [0]
+        for p in params[:-1]:
+            offsets.append(offsets[-1] + p.numel())
+        handed = [
+            torch.linalg.vector_norm(averaged[o : o + p.numel()], dtype=torch.float32) for p, o in zip(params, offsets)
+        ]
+        if scale is not None:  # p.grad is unscaled by the GradScaler before the optimizer reads it
+            handed = [h / scale.to(device=h.device, dtype=torch.float32) for h in handed]
+        opt.record_grad_sq(params, mean_samples, handed)
+        return averaged
+
+    return fut.then(record)
 
 
 def _agree_on_overflow(opt: CompressedAdamBase, buffer: Tensor) -> torch.futures.Future:

@@ -13,9 +13,11 @@ Workloads (``--workloads``, comma-separated):
 * ``clm``: GPT-2-style causal LM pre-training, ``mlm``: BERT-style masked LM pre-training, on the
   embedded corpus and BPE tokenizer of ``pretrain.py`` (stdlib docstrings); metric: held-out
   loss (fixed sequences and masks). 2 ranks.
-* ``lsq``: least squares, ``y = W x + noise`` (128 Gaussian inputs, 32 outputs, noise std 0.1:
-  floor 0.01) with one linear layer, 3 ranks, batch 16, lr 1e-2 decaying linearly to 0, betas
-  (0.9, 0.99), 640 steps, freeze at step 200. Metric: held-out mean squared error.
+* ``lsq``: least squares, ``y = W x + noise`` (128 Gaussian inputs, 32 outputs, weights of std 1,
+  noise std 0.1: floor 0.01) with one linear layer, 3 ranks, batch 16, lr 1e-2 decaying linearly
+  to 0, betas (0.9, 0.99), 640 steps, freeze at step 200. The loss, and with it the gradient's
+  scale, keeps falling long after the freeze: a frozen variance goes stale. Metric: held-out mean
+  squared error.
 
 Optimizers (``--optimizers``) get only user-level settings: lr and its schedule, the run length,
 ``freeze_step`` (1-bit Adam) / ``var_freeze_step`` (0/1 Adam) at the end of the LR warm-up
@@ -91,6 +93,13 @@ class SuiteArguments:
     lsq_lr: float = field(default=1e-2, metadata={"help": "Least squares: lr, decaying linearly to 0."})
     lsq_batch_size: int = field(default=16, metadata={"help": "Least squares: samples per rank and step."})
     lsq_noise: float = field(default=0.1, metadata={"help": "Least squares: label noise std (floor: its square)."})
+    lsq_weight_std: float = field(
+        default=1.0,
+        metadata={
+            "help": "Least squares: std of the true weights. 1: outputs of variance 128, so the loss (and the "
+            "gradient's scale) falls by two orders of magnitude after the freeze; 1/sqrt(128) is an easy problem."
+        },
+    )
 
     def __post_init__(self) -> None:
         for name, allowed in (("workloads", WORKLOADS), ("optimizers", OPTIMIZERS)):
@@ -151,7 +160,7 @@ def make_spec(args: SuiteArguments, workload: str, optimizer: str, data: Path, r
     elif workload == "lsq":
         spec.update(steps=args.lsq_steps, warmup_steps=0, freeze_step=args.lsq_freeze_step, lr=args.lsq_lr)
         spec.update(betas=[0.9, 0.99], batch_size=args.lsq_batch_size, max_grad_norm=0.0, eval_size=4096)
-        spec.update(lsq_in=128, lsq_out=32, lsq_noise=args.lsq_noise)
+        spec.update(lsq_in=128, lsq_out=32, lsq_noise=args.lsq_noise, lsq_weight_std=args.lsq_weight_std)
     else:
         steps = args.clm_steps if workload == "clm" else args.mlm_steps
         warm = max(1, round(steps * args.lm_warmup_ratio))

@@ -29,7 +29,6 @@ uncompressed tensors, of the P matrices and of the Q matrices per bucket (one pe
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -159,7 +158,7 @@ class Progress:
 # ------------------------------------------------------------------------------ plain loops
 def lsq_data(spec: dict, gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     torch_w = torch.Generator().manual_seed(spec["seed"])
-    w_true = torch.randn(spec["lsq_out"], spec["lsq_in"], generator=torch_w) / math.sqrt(spec["lsq_in"])
+    w_true = torch.randn(spec["lsq_out"], spec["lsq_in"], generator=torch_w) * spec["lsq_weight_std"]
     x = torch.randn(n, spec["lsq_in"], generator=gen)
     return x, x @ w_true.T + spec["lsq_noise"] * torch.randn(n, spec["lsq_out"], generator=gen)
 

@@ -58,7 +58,7 @@ from torch.optim import Optimizer
 from hf_zeroone._tensors import all_finite
 from hf_zeroone.comm import CommStats, Communicator
 from hf_zeroone.compression import ChunkLayout
-from hf_zeroone.optim import _masks
+from hf_zeroone.optim import _grad_scale, _masks
 
 __all__ = ["CompressedAdamBase", "FlatBuffers", "StepKind"]
 
@@ -68,6 +68,17 @@ _STATE_KEY = "hf_zeroone"
 _SPIKE_CLIP = 0.1
 #: state entries kept in float32 whatever the parameter's dtype (error feedback)
 _FP32_STATE = ("worker_error", "server_error")
+#: state entries restored as float32 by load_state_dict (torch would cast them to the parameter's dtype)
+_FP32_ON_LOAD = _FP32_STATE + _grad_scale.STATE_KEYS
+
+
+def _kept(ratio: Tensor) -> Tensor:
+    """The fraction of a gradient's norm that clipping kept: exactly 1 unless it was cut.
+
+    ``ratio`` is the norm after clipping over the norm handed on; two norms of the same values
+    can differ in the last bit (a different summation order), which must not count as clipping.
+    """
+    return torch.where(ratio > 1.0 - 1e-5, torch.ones_like(ratio), ratio)
 
 
 def _user_stacklevel() -> int:
@@ -177,6 +188,13 @@ class CompressedAdamBase(Optimizer):
         check_replicas_every: every this many synchronising steps, check that all ranks hold
             bit-identical parameters (one all-gather of 16 bytes) and raise ``RuntimeError`` if
             they do not. ``0`` (default) disables the check.
+        follow_gradient_scale: after the variance freeze, rescale the frozen ``v`` of each tensor
+            by how much its gradients have shrunk relative to it (one float per tensor, averaged
+            with a collective the step already makes; exact steps add one small allreduce; see
+            :mod:`hf_zeroone.optim._grad_scale`). Off by default: on least squares, whose loss
+            falls 100x after the freeze, it takes 1-bit and 0/1 Adam from 3x and 5x AdamW's final
+            loss to at or below it; on the GPT-2 language model of ``recipes/convergence.py`` it
+            makes both worse (+5.7% and +4.3% over AdamW, against +2.0% and -0.1% without).
 
     With no process group, or a world size of 1, the optimizer communicates nothing and runs Adam
     with the same schedule (so it can be used and tested in a single process).
@@ -199,6 +217,7 @@ class CompressedAdamBase(Optimizer):
         auto_momentum_mask: bool,
         communicator: Communicator | None,
         check_replicas_every: int = 0,
+        follow_gradient_scale: bool = False,
     ) -> None:
         _check_int("check_replicas_every", check_replicas_every, 0)
         if isinstance(lr, Tensor) or not isinstance(lr, (int, float)) or not lr >= 0.0:
@@ -221,8 +240,14 @@ class CompressedAdamBase(Optimizer):
         )
         super().__init__(params, defaults)
         self.auto_momentum_mask = bool(auto_momentum_mask)
+        self.follow_gradient_scale = bool(follow_gradient_scale)
         self.comm = communicator if communicator is not None else Communicator(process_group)
-        self.schedule: dict[str, Any] = {"step": 0, "variance_updates": 0, "masks_ready": False}
+        self.schedule: dict[str, Any] = {
+            "step": 0,
+            "variance_updates": 0,
+            "masks_ready": False,
+            "grad_sq_updates": 0,  # samples folded into each tensor's gradient mean square (._grad_scale)
+        }
         self.schedule.update(self._initial_schedule())
         self._flat_cache: dict[tuple[int, ...], FlatBuffers] = {}
         self._prepared_step = -1
@@ -239,6 +264,11 @@ class CompressedAdamBase(Optimizer):
         #: per parameter, the factor :meth:`norm_proxy` applied to this step's implied gradient and
         #: the norm it handed on
         self._norm_proxy_factors: dict[Tensor, tuple[Tensor, Tensor]] = {}
+        #: per parameter, this step's mean over ranks of :meth:`scale_samples` and the norm handed
+        #: on as ``p.grad`` (``None``: handed on unclipped), for :mod:`._grad_scale`
+        self._grad_sq_samples: dict[Tensor, tuple[Tensor, Tensor | None]] = {}
+        #: per parameter, the fraction of the implied gradient's norm that clipping kept this step
+        self._kept_fraction: dict[Tensor, Tensor] = {}
         for group in self.param_groups:
             self._check_group(group)
 
@@ -362,6 +392,29 @@ class CompressedAdamBase(Optimizer):
             view.mul_(factor)
             self._norm_proxy_factors[p] = (factor, torch.where(ok, mean_sq.sqrt(), norm))
 
+    def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
+        """Each local gradient's squared norm once normalised by the current variance, as one float32 vector.
+
+        ``sum_j g_j^2 / (sqrt(v_j / c2) + eps)^2`` over the elements with a variance (``v_j > 0``): how
+        large the gradient is *relative to* what ``v`` expects, element by element, so that a few
+        elements with large gradients do not speak for the whole tensor. Averaged over ranks, it
+        is the sample of :mod:`hf_zeroone.optim._grad_scale`.
+        """
+        out = []
+        for p, g in zip(params, grads):
+            state = self.state.get(p, {})
+            v = state.get("exp_avg_sq")
+            if g is None or v is None:
+                out.append(torch.zeros((), dtype=torch.float32, device=p.device))
+                continue
+            group = self.group_of(p)
+            k = self.schedule["variance_updates"]
+            c2 = 1.0 - group["betas"][1] ** k if group["bias_correction"] and k > 0 else 1.0
+            v = v.float()
+            normalised = g.float() / v.div(c2).sqrt_().add_(group["eps"])
+            out.append(torch.where(v > 0, normalised.square_(), 0.0).sum())
+        return torch.stack(out)
+
     @staticmethod
     def local_sq_norms(grads: Sequence[Tensor | None]) -> Tensor:
         """``||g||^2`` of each local gradient (0 for ``None``), as one float32 vector."""
@@ -374,7 +427,7 @@ class CompressedAdamBase(Optimizer):
     def _apply(self, group: dict[str, Any], p: Tensor, result: Tensor, kind: StepKind) -> None:
         """Update ``p`` and its state from the combined ``result`` (or the local gradient)."""
         state = self.state[p]
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        lr, wd = group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         c1, c2 = self._coefficients(group, kind)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
@@ -394,12 +447,69 @@ class CompressedAdamBase(Optimizer):
             exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         if decay != 1.0:
             p.mul_(decay)
-        denom = exp_avg_sq.sqrt().div_(math.sqrt(c2)).add_(eps)
+        denom = self._denominator(group, p, kind, c2)
         p.addcdiv_(exp_avg, denom, value=-lr / c1)
         if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
             state["update_accumulator"].addcdiv_(exp_avg, denom, value=lr / c1)
             state["lr_sum"] += lr
             state["decay_prod"] *= decay
+
+    def _denominator(self, group: dict[str, Any], p: Tensor, kind: StepKind, c2: float) -> Tensor:
+        """``sqrt(v / c2) + eps``; after the freeze ``v`` follows the gradient's scale (:mod:`._grad_scale`)."""
+        exp_avg_sq = self.state[p]["exp_avg_sq"]
+        f = None
+        if self.follow_gradient_scale and kind in (StepKind.ONEBIT_MOMENTUM, StepKind.LOCAL, StepKind.ONEBIT_SYNC):
+            f = _grad_scale.factor(
+                self.state[p], group["betas"][1], self.schedule.get("grad_sq_updates", 0), group["bias_correction"]
+            )
+        if f is not None:
+            f = f.clamp(max=1.0)  # only ever lets v shrink, see ._grad_scale
+        if f is None:
+            return exp_avg_sq.sqrt().div_(math.sqrt(c2)).add_(group["eps"])
+        return exp_avg_sq.sqrt().mul_(torch.sqrt(f.to(exp_avg_sq.dtype) / c2)).add_(group["eps"])
+
+    def record_grad_sq(
+        self, params: Sequence[Tensor], mean_sq_norms: Tensor, handed_norms: Sequence[Tensor] | None = None
+    ) -> None:
+        """Note this step's mean over ranks of each :meth:`scale_samples` (and the norms handed on as ``p.grad``).
+
+        Called by whoever combined the gradients (``step()`` or the DDP hook) on the steps that
+        sample the gradient's scale (see :mod:`hf_zeroone.optim._grad_scale`).
+        """
+        for i, p in enumerate(params):
+            self._grad_sq_samples[p] = (mean_sq_norms[i], None if handed_norms is None else handed_norms[i])
+
+    def _sample_grad_scale(self, kind: StepKind, updates: list[tuple[dict[str, Any], Tensor, Tensor]]) -> None:
+        """Fold this step's gradient scale into each tensor's running mean square (before the update)."""
+        samples, self._grad_sq_samples = self._grad_sq_samples, {}
+        kept_fractions, self._kept_fraction = self._kept_fraction, {}
+        if not self.follow_gradient_scale or kind is StepKind.ONEBIT_GRADIENT or self.schedule["variance_updates"] == 0:
+            return  # v is not updated on these steps; before the first update there is no v to compare with
+        count = self.schedule.get("grad_sq_updates", 0) + 1
+        self.schedule["grad_sq_updates"] = count
+        for group, p, value in updates:
+            if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):  # this rank's own gradient, as used
+                mean_sq, handed = self.scale_samples([p], [value])[0], None
+            elif p in samples:
+                mean_sq, handed = samples[p]
+            else:
+                continue
+            kept: Tensor | float = 1.0
+            if p in kept_fractions:
+                kept = kept_fractions[p]
+            elif handed is not None:  # clipped after the hook handed it on
+                norm = torch.linalg.vector_norm(value, dtype=torch.float32)
+                kept = _kept(norm / torch.where(handed > 0, handed, 1.0))
+            _grad_scale.sample(
+                self.state[p],
+                p,
+                mean_sq,
+                kept,
+                group["betas"][1],
+                count,
+                group["bias_correction"],
+                variance_step=kind is StepKind.EXACT,
+            )
 
     def _apply_sync(self, group: dict[str, Any], p: Tensor, combined_u: Tensor, kind: StepKind) -> None:
         """Back to the last synced parameters, then the averaged accumulated update (in parameter space)."""
@@ -408,7 +518,7 @@ class CompressedAdamBase(Optimizer):
         combined_u = combined_u.to(p.dtype)
         p.copy_(state["sync_param"]).mul_(state["decay_prod"]).sub_(combined_u)
         if state["lr_sum"] > 0:
-            denom = state["exp_avg_sq"].sqrt().div_(math.sqrt(c2)).add_(group["eps"])
+            denom = self._denominator(group, p, kind, c2)
             state["exp_avg"].copy_(combined_u).mul_(denom).mul_(c1 / state["lr_sum"])
         state["update_accumulator"].zero_()
         state["sync_param"].copy_(p)
@@ -596,6 +706,9 @@ class CompressedAdamBase(Optimizer):
                 if kind is StepKind.ONEBIT_MOMENTUM:
                     self.implied_gradient(group, p, out)
                 results.append((group, p, out))
+            if self.follow_gradient_scale and kind in (StepKind.EXACT, StepKind.ONEBIT_MOMENTUM) and results:
+                used = [p for _, p, _ in results]
+                self.record_grad_sq(used, self.scale_samples(used, [p.grad for p in used]))
             return results
         if kind.compressed:
             flat = self.flat_buffers(params)
@@ -617,8 +730,18 @@ class CompressedAdamBase(Optimizer):
         else:
             combined = self.comm.allreduce_mean(message)
         results = [(group, p, view) for (group, p), view in zip(pairs, views(combined))]
+        grads = [p.grad for p in params]
+        if kind is StepKind.EXACT and self.follow_gradient_scale:
+            self.record_grad_sq(params, self.comm.allreduce_mean(self.scale_samples(params, grads)))
         if kind is StepKind.ONEBIT_MOMENTUM:
-            mean_sq = self.comm.allreduce_mean(self.local_sq_norms([p.grad for p in params]).to(params[0].device))
+            # one collective: the local squared norms (clipping), and the scale samples when asked for
+            floats = self.local_sq_norms(grads)
+            if self.follow_gradient_scale:
+                floats = torch.cat([floats, self.scale_samples(params, grads)])
+            floats = self.comm.allreduce_mean(floats.to(params[0].device))
+            mean_sq = floats[: len(params)]
+            if self.follow_gradient_scale:
+                self.record_grad_sq(params, floats[len(params) :])
             for group, p, view in results:
                 self.implied_gradient(group, p, view)
             self.norm_proxy(params, [v for _, _, v in results], mean_sq)  # as the hook does, so that
@@ -640,6 +763,7 @@ class CompressedAdamBase(Optimizer):
             return value
         factor, handed_norm = entry
         clipped = torch.linalg.vector_norm(value.float()) / handed_norm
+        self._kept_fraction[p] = _kept(clipped)
         if bool(clipped < _SPIKE_CLIP):
             state = self.state[p]
             for key in _FP32_STATE:
@@ -693,6 +817,7 @@ class CompressedAdamBase(Optimizer):
                 "Lower the learning rate, clip gradients, or use a GradScaler with "
                 "ZeroOneHookState.overflow_check_on_local_steps=True."
             )
+        self._sample_grad_scale(kind, updates)
         for group, p, value in updates:
             self._apply(group, p, value, kind)
         if kind is StepKind.ONEBIT_SYNC:
@@ -810,9 +935,9 @@ class CompressedAdamBase(Optimizer):
             )
         # torch casts every floating-point state tensor to its parameter's dtype; the error buffers
         # stay float32 (a bf16 model keeps fp32 error feedback), so they are restored here.
-        errors = {k: {n: v for n, v in s.items() if n in _FP32_STATE} for k, s in state_dict["state"].items()}
+        errors = {k: {n: v for n, v in s.items() if n in _FP32_ON_LOAD} for k, s in state_dict["state"].items()}
         state_dict["state"] = {
-            k: {n: v for n, v in s.items() if n not in _FP32_STATE} for k, s in state_dict["state"].items()
+            k: {n: v for n, v in s.items() if n not in _FP32_ON_LOAD} for k, s in state_dict["state"].items()
         }
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]

@@ -52,7 +52,7 @@ class OneBitAdam(CompressedAdamBase):
         freeze_step: number of exact warm-up steps before compression starts (at least 1: the
             variance is estimated on these steps).
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
-        communicator, check_replicas_every: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
+        communicator, check_replicas_every, follow_gradient_scale: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
 
     Example::
 
@@ -83,6 +83,7 @@ class OneBitAdam(CompressedAdamBase):
         auto_momentum_mask: bool = True,
         communicator: Communicator | None = None,
         check_replicas_every: int = 0,
+        follow_gradient_scale: bool = False,
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:
@@ -106,6 +107,7 @@ class OneBitAdam(CompressedAdamBase):
             auto_momentum_mask=auto_momentum_mask,
             communicator=communicator,
             check_replicas_every=check_replicas_every,
+            follow_gradient_scale=follow_gradient_scale,
         )
 
     def next_step_kind(self) -> StepKind:

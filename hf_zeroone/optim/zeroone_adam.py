@@ -88,7 +88,7 @@ class ZeroOneAdam(CompressedAdamBase):
             batches it diverged late in the local phase while exact warm-up tracked AdamW
             (``docs/benchmark.md``).
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
-        communicator, check_replicas_every: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
+        communicator, check_replicas_every, follow_gradient_scale: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
     """
 
     schedule_params = (
@@ -118,6 +118,7 @@ class ZeroOneAdam(CompressedAdamBase):
         auto_momentum_mask: bool = True,
         communicator: Communicator | None = None,
         check_replicas_every: int = 0,
+        follow_gradient_scale: bool = False,
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:
@@ -152,6 +153,7 @@ class ZeroOneAdam(CompressedAdamBase):
             auto_momentum_mask=auto_momentum_mask,
             communicator=communicator,
             check_replicas_every=check_replicas_every,
+            follow_gradient_scale=follow_gradient_scale,
         )
 
     def _initial_schedule(self) -> dict[str, Any]:

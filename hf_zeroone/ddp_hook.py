@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from hf_zeroone._tensors import all_finite
+from hf_zeroone._tensors import non_finite_flag
 from hf_zeroone.optim import CompressedAdamBase, StepKind
 
 __all__ = ["ZeroOneHookState", "register_zeroone_hook", "zeroone_hook"]
@@ -122,38 +122,40 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     for p, g, view in zip(params, grads, flat.views(message)):
         opt.write_message(opt.group_of(p), p, g, kind, view)
     fut = opt.comm.compressed_allreduce_async(message, flat.worker_error, flat.server_error, flat.layout)
+    norms = None
     if kind is StepKind.ONEBIT_MOMENTUM:  # gradient-sized norms for clipping (see CompressedAdamBase)
         norms = opt.comm.allreduce_mean_async(opt.local_sq_norms(grads).to(buffer.device))
-        fut = torch.futures.collect_all([fut, norms])
     dtype = buffer.dtype
 
-    # The callbacks only compute on tensors: no collective is ever issued inside a callback.
+    # The callbacks only compute on tensors: no collective is ever issued inside a callback, and
+    # no device value is read on the host. On CUDA they run on a stream that waited for the
+    # communicator's, and the future they complete is CUDA-aware like the communicator's.
     def to_gradient(f: torch.futures.Future) -> Tensor:
-        if kind is StepKind.ONEBIT_MOMENTUM:
-            combined, mean_sq = (part.value() for part in f.value())
+        if norms is not None:
+            # ``f`` is the norms' future, completed after the compressed one (one worker, in
+            # order): wait() orders this callback's stream after both.
+            combined, mean_sq = fut.wait(), f.wait()
             views = flat.views(combined)
             for p, view in zip(params, views):
                 opt.implied_gradient(opt.group_of(p), p, view)
             opt.norm_proxy(params, views, mean_sq)
         else:
-            combined = f.value()
+            combined = f.wait()
         result = combined[:n]
         if scale is not None:  # scaled again: the GradScaler unscales p.grad before step()
             result = result.mul(scale.to(device=result.device, dtype=result.dtype))
         return result.to(dtype)
 
-    return fut.then(to_gradient)
+    # Not torch.futures.collect_all: the future it returns is not CUDA-aware.
+    return (norms if norms is not None else fut).then(to_gradient)
 
 
 def _agree_on_overflow(opt: CompressedAdamBase, buffer: Tensor) -> torch.futures.Future:
-    """Make a non-finite gradient on any rank visible on all (local steps, fp16)."""
-    flag = torch.tensor([0.0 if all_finite([buffer]) else 1.0], device=buffer.device)
-    fut = opt.comm.allreduce_mean_async(flag)
+    """Make a non-finite gradient on any rank visible on all (local steps, fp16); no host read."""
+    fut = opt.comm.allreduce_mean_async(non_finite_flag(buffer))
 
     def mark(f: torch.futures.Future) -> Tensor:
-        if f.value().item() > 0:
-            buffer.fill_(float("inf"))
-        return buffer
+        return buffer.masked_fill_(f.wait()[0] > 0, float("inf"))
 
     return fut.then(mark)
 

@@ -23,3 +23,15 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
     if bool(torch.isfinite(sums).all()):
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def non_finite_flag(t: Tensor) -> Tensor:
+    """``[1.0]`` if ``t`` has a NaN or infinite element, else ``[0.0]``: float32, on ``t``'s device.
+
+    Never read on the host (no GPU sync): ``aminmax`` propagates NaN, and an infinity is the
+    minimum or the maximum. One pass that writes nothing per element.
+    """
+    if t.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=t.device)
+    low, high = torch.aminmax(t.detach().reshape(-1))
+    return (~(torch.isfinite(low) & torch.isfinite(high))).to(torch.float32).reshape(1)

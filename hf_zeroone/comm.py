@@ -25,22 +25,24 @@ scales NaN, so every server sees it) and leaves both error buffers unchanged: a 
 error feedback, and all ranks agree that the step is bad.
 
 All collectives are issued, in submission order, by one background thread per
-:class:`Communicator` on a process group the package uses for nothing else. The DDP hook can
-therefore return futures while backward goes on, and no collective is ever issued from inside a
-future callback (with gloo, a blocking collective inside a ``.then`` callback deadlocks once there
-are two buckets). Collectives run under the process group's timeout, so a missing rank ends in an
-error, not a hang.
+:class:`Communicator` on a process group the package uses for nothing else (built only by the
+group's members, so data-parallel sub-groups work). The DDP hook can therefore return futures
+while backward goes on, and no collective is ever issued from inside a future callback (with
+gloo, a blocking collective inside a ``.then`` callback deadlocks once there are two buckets).
+Collectives run under the process group's timeout, so a missing rank ends in an error, not a
+hang. On CUDA the jobs run on a stream of the communicator's own, ordered after the caller's
+stream by an event, and the futures are CUDA-aware (:mod:`hf_zeroone._executor`).
+
+No host read of a device value happens per call: the non-finite case is handled by ``where``
+and NaN propagation on the device, with exactly the results a branch on the host would give.
 """
 
 from __future__ import annotations
 
 import atexit
 import math
-import os
-import queue
-import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
@@ -49,6 +51,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hf_zeroone._executor import (
+    _Collectives,
+    _dedicated_collectives,
+    _LoopbackCollectives,
+    _SerialExecutor,
+    collective_device,
+)
 from hf_zeroone.compression import ChunkLayout, compression_error, decompress, pack_signs, segment_scales
 
 __all__ = ["CommStats", "Communicator", "bit_checksum", "fp32_allreduce_bytes"]
@@ -63,20 +72,23 @@ def fp32_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> 
     return math.ceil(2 * (world_size - 1) * numel * element_size / world_size)
 
 
-def bit_checksum(tensors: list[Tensor]) -> Tensor:
+def bit_checksum(tensors: list[Tensor], device: torch.device | str | None = None) -> Tensor:
     """Two int64 sums of the tensors' bit patterns (plain and position-weighted): equal iff bit-equal.
 
-    Exact integer arithmetic, so any flipped bit changes it (up to astronomically unlikely
-    collisions); the weighted sum also catches tensors that swapped places.
+    Exact integer arithmetic (sums wrap modulo 2^64 the same way in any order), so any flipped
+    bit changes it (up to astronomically unlikely collisions); the weighted sum also catches
+    tensors that swapped places. Computed on the tensors' device (no host read there); the
+    result is put on ``device`` (default: the first tensor's device, the CPU for none).
     """
-    total = torch.zeros(2, dtype=torch.int64)
+    home = tensors[0].device if tensors else torch.device("cpu")
+    total = torch.zeros(2, dtype=torch.int64, device=home)
     for i, t in enumerate(tensors):
         t = t.detach().contiguous().reshape(-1)
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-        s = t.view(bits).to(torch.int64).sum().cpu()
+        s = t.view(bits).sum(dtype=torch.int64).to(home)
         total[0] += s
         total[1] += s * (i + 1)
-    return total
+    return total if device is None else total.to(device)
 
 
 @dataclass
@@ -113,142 +125,24 @@ class CommStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-class _SerialExecutor:
-    """Runs submitted jobs one at a time, in order, on a daemon thread; results come as futures."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future] | None] = queue.SimpleQueue()
-        #: the exception of the first job that failed; after it no job runs (see :meth:`refusal`)
-        self.failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def refusal(self) -> RuntimeError:
-        """The error every job gets once a job has failed."""
-        assert self.failure is not None
-        err = RuntimeError(
-            "hf_zeroone: this rank's communicator stopped after a communication job failed "
-            f"({type(self.failure).__name__}: {self.failure}). Its collectives are now out of step with the "
-            "other ranks (they end at their collective timeout), so it refuses all further work. Fix the cause "
-            "and restart the job, e.g. from the last checkpoint."
-        )
-        err.__cause__ = self.failure
-        return err
-
-    def _run(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            job, fut = item
-            if self.failure is not None:
-                # A failed job may have stopped between two collectives: running later jobs would
-                # pair this rank's collectives with different ones on the other ranks.
-                fut.set_exception(self.refusal())
-                continue
-            try:
-                result = job()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                self.failure = exc
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-
-    def on_worker_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def submit(self, job: Callable[[], Any]) -> torch.futures.Future:
-        if self.failure is not None:
-            raise self.refusal()
-        fut: torch.futures.Future = torch.futures.Future()
-        self._jobs.put((job, fut))
-        return fut
-
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Stop after the jobs already submitted; wait up to ``timeout`` seconds for the thread."""
-        self._jobs.put(None)
-        if timeout is not None and not self.on_worker_thread():
-            self._thread.join(timeout)
-
-
-class _Collectives:
-    """The three collectives the package needs, on a registered process group or a private one.
-
-    The dedicated group is built directly on the default store under a prefix unique to this
-    launch attempt (torchelastic run id and restart count) and communicator. ``dist.new_group``
-    would reuse the same store keys after a ``torchrun --max-restarts`` restart, and a restarted
-    rank could then read a dead peer's address.
-    """
-
-    def __init__(self, group: Any, raw: bool) -> None:
-        self.group, self.raw = group, raw
-
-    def all_reduce_sum(self, t: Tensor) -> None:
-        if self.raw:
-            self.group.allreduce([t]).wait()
-        else:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-
-    def all_to_all(self, out: Tensor, inp: Tensor) -> None:
-        if self.raw:
-            self.group.alltoall_base(out, inp, [], [], dist.AllToAllOptions()).wait()
-        else:
-            dist.all_to_all_single(out, inp, group=self.group)
-
-    def all_gather(self, outs: list[Tensor], inp: Tensor) -> None:
-        if self.raw:
-            self.group.allgather([outs], [inp]).wait()
-        else:
-            dist.all_gather(outs, inp, group=self.group)
-
-
-_DEDICATED_GROUPS = 0
-
-
-def _dedicated_collectives(base: dist.ProcessGroup | None, timeout: timedelta | None) -> _Collectives:
-    """A process group with the ranks of ``base`` that only this package uses."""
-    global _DEDICATED_GROUPS
-    _DEDICATED_GROUPS += 1
-    backend = dist.get_backend(base)
-    ranks = dist.get_process_group_ranks(base if base is not None else dist.group.WORLD)
-    timeout = timeout or _group_timeout(base) or timedelta(minutes=30)
-    prefix = "hf_zeroone/{}/{}/{}/{}".format(
-        os.environ.get("TORCHELASTIC_RUN_ID", ""),
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-        _DEDICATED_GROUPS,
-        "-".join(map(str, ranks)),
-    )
-    rank, size = dist.get_rank(base), dist.get_world_size(base)
-    if backend == "gloo":
-        store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
-        return _Collectives(dist.ProcessGroupGloo(store, rank, size, timeout), raw=True)
-    # Other backends (NCCL): a regular new group.
-    return _Collectives(dist.new_group(ranks=None if base is None else ranks, timeout=timeout), raw=False)
-
-
-def _zero_masked(t: Tensor, layout: ChunkLayout, start: int = 0) -> None:
+def _zero_masked(t: Tensor, layout: ChunkLayout, start: int = 0, unless: Tensor | None = None) -> None:
     """Zero the masked elements of flat ``t``, which holds layout positions ``start ..``.
 
     Without caller masks only the padding at the end is masked: zero that tail instead of
     multiplying the whole vector by the mask (one pass over the data saved, five times a call).
+    ``unless``: a 0-dim bool tensor; where it is true the tail is left as it is (a NaN result
+    stays NaN everywhere). Multiplying by the mask keeps a NaN anyway.
     """
     if layout.fully_unmasked:
         first_pad = layout.numel - start
         if first_pad < t.numel():
-            t[max(first_pad, 0) :].zero_()
+            tail = t[max(first_pad, 0) :]
+            if unless is None:
+                tail.zero_()
+            else:
+                tail.masked_fill_(~unless, 0.0)
     else:
         t.mul_(layout.mask[start : start + t.numel()])
-
-
-def _group_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
-    """The timeout of ``group`` (default group if ``None``), or ``None`` if it cannot be read."""
-    pg = group if group is not None else dist.group.WORLD
-    for device in (torch.device("cpu"), torch.device("cuda")):
-        try:
-            return pg._get_backend(device).options._timeout
-        except Exception:  # noqa: BLE001 - private API, best effort
-            continue
-    return None
 
 
 _LIVE_COMMUNICATORS: weakref.WeakSet[Communicator] = weakref.WeakSet()
@@ -299,7 +193,8 @@ class Communicator:
         if dedicated:
             self._coll = _dedicated_collectives(process_group, timeout)
         else:
-            self._coll = _Collectives(process_group if process_group is not None else dist.group.WORLD, raw=False)
+            group = process_group if process_group is not None else dist.group.WORLD
+            self._coll = _Collectives(group, raw=False, backend=str(dist.get_backend(group)))
         self._executor = _SerialExecutor(f"hf_zeroone-comm-rank{self.rank}")
         _LIVE_COMMUNICATORS.add(self)
 
@@ -311,23 +206,40 @@ class Communicator:
         comm.world_size, comm.rank = 1, 0
         return comm
 
+    @classmethod
+    def _loopback(cls, world_size: int, rank: int = 0, threaded: bool = True) -> Communicator:
+        """One process standing in for ``world_size`` ranks that all send what this one sends.
+
+        Runs the whole arithmetic of a ``world_size``-rank compressed allreduce, on the worker
+        thread and its CUDA stream when ``threaded``, without a process group: for benchmarks
+        and single-device tests (see :class:`~hf_zeroone._executor._LoopbackCollectives`).
+        """
+        comm = cls.__new__(cls)
+        comm.stats, comm._closed = CommStats(), False
+        comm.world_size, comm.rank = world_size, rank
+        comm._coll = _LoopbackCollectives(rank)
+        comm._executor = _SerialExecutor(f"hf_zeroone-loopback-rank{rank}") if threaded else None
+        if threaded:
+            _LIVE_COMMUNICATORS.add(comm)
+        return comm
+
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
     # ------------------------------------------------------------------ scheduling
-    def _submit(self, job: Callable[[], Tensor]) -> torch.futures.Future:
+    def _submit(self, job: Callable[[], Tensor], tensors: Sequence[Tensor] = ()) -> torch.futures.Future:
+        """Run ``job`` on the worker (in order), or inline without one; ``tensors``: its inputs.
+
+        Inline, the job runs on the caller's current stream, so its plain future needs no events.
+        """
         if self._closed:
             raise RuntimeError("this hf_zeroone Communicator was closed; create a new one (or a new optimizer)")
-        if self._executor is None:
+        if self._executor is None or self._executor.on_worker_thread():  # nested call: inline, keeps the order
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result(job())
             return fut
-        if self._executor.on_worker_thread():  # nested call: run inline, keep the order
-            fut = torch.futures.Future()
-            fut.set_result(job())
-            return fut
-        return self._executor.submit(job)
+        return self._executor.submit(job, tensors)
 
     @property
     def failure(self) -> BaseException | None:
@@ -344,6 +256,7 @@ class Communicator:
             self._executor.shutdown(timeout=10.0)
             self._executor = None
         if self._coll is not None:
+            self._coll.close()
             self._coll = None
             self._closed = True
 
@@ -365,7 +278,7 @@ class Communicator:
             coll.all_reduce_sum(tensor)
             return tensor
 
-        return self._submit(job)
+        return self._submit(job, (tensor,))
 
     def allreduce_mean(self, tensor: Tensor) -> Tensor:
         """Blocking form of :meth:`allreduce_mean_async`."""
@@ -376,12 +289,15 @@ class Communicator:
         """Raise ``RuntimeError`` on every rank if ``tensors`` differ in any bit between ranks.
 
         Compares an exact integer checksum of the bit patterns (two int64 per rank, one
-        all-gather), so it costs one tiny collective whatever the model size.
+        all-gather), so it costs one tiny collective whatever the model size. The checksum is
+        computed on the tensors' device and gathered where the backend takes it (a CUDA device
+        for NCCL, the CPU for gloo); one host read at the end.
         """
         if not self.is_distributed:
             return
-        local = bit_checksum(tensors)
-        gathered = torch.empty(self.world_size, local.numel(), dtype=local.dtype)
+        home = tensors[0].device if tensors else torch.device("cpu")
+        local = bit_checksum(tensors, device=collective_device(self._coll.backend, home))
+        gathered = torch.empty(self.world_size, local.numel(), dtype=local.dtype, device=local.device)
         self.stats.bytes_sent += (self.world_size - 1) * local.numel() * local.element_size()
         self.stats.collectives += 1
         coll = self._coll
@@ -390,7 +306,7 @@ class Communicator:
             coll.all_gather(list(gathered.unbind(0)), local)
             return gathered
 
-        rows = self._submit(job).wait()
+        rows = self._submit(job, (local, gathered)).wait().cpu()
         if not bool((rows == rows[0]).all()):
             differing = [r for r in range(self.world_size) if not torch.equal(rows[r], rows[0])]
             raise RuntimeError(
@@ -430,7 +346,11 @@ class Communicator:
         self.stats.fp32_equivalent_bytes += fp32_allreduce_bytes(layout.numel, p)
         self.stats.collectives += 2
         self.stats.compressed_allreduces += 1
-        return self._submit(lambda: self._compressed_allreduce(buffer, worker_error, server_error, layout))
+        coll, rank = self._coll, self.rank
+        inputs = (buffer, worker_error, server_error, layout.mask, layout.segment_counts)
+        return self._submit(
+            lambda: _compressed_allreduce(coll, rank, p, buffer, worker_error, server_error, layout), inputs
+        )
 
     def compressed_allreduce(
         self, buffer: Tensor, worker_error: Tensor, server_error: Tensor, layout: ChunkLayout
@@ -454,60 +374,86 @@ class Communicator:
                     f"got {t.dtype} with {t.numel()} elements"
                 )
 
-    def _compressed_allreduce(
-        self, buffer: Tensor, worker_error: Tensor, server_error: Tensor, layout: ChunkLayout
-    ) -> Tensor:
-        p, c, nb, k = self.world_size, layout.chunk, layout.chunk_bytes, self.rank
-        s_per = layout.segments_per_chunk
-        sb = _SCALE_BYTES * s_per
-        device = buffer.device
 
-        # Stage 1, worker side: y = x + e_w, compressed segment by segment.
-        y = buffer
-        y.add_(worker_error)
-        _zero_masked(y, layout)
-        scales = segment_scales(y, layout.bounds, layout.segment_counts)
-        if not bool(torch.isfinite(scales).all()):
-            scales.fill_(math.nan)  # every server will see it
-        send = torch.empty(p, nb + sb, dtype=torch.uint8, device=device)
-        send[:, :nb] = pack_signs(y.view(p, c))
-        send[:, nb:] = scales.view(torch.uint8).view(p, sb)
-        recv = torch.empty_like(send)
-        self._coll.all_to_all(recv, send)
-        # worker_scales[i, j]: scale of segment j of my chunk, as worker i compressed it
-        worker_scales = recv[:, nb:].contiguous().view(torch.float32).view(p, s_per)
-        finite = bool(torch.isfinite(worker_scales).all())
-        if finite:  # e_w <- y - C[y]; never absorbs a non-finite value
-            compression_error(y, scales, layout.bounds, out=worker_error)
-            _zero_masked(worker_error, layout)
+def _compressed_allreduce(
+    coll: Any, k: int, p: int, buffer: Tensor, worker_error: Tensor, server_error: Tensor, layout: ChunkLayout
+) -> Tensor:
+    """The compressed allreduce of rank ``k`` of ``p`` (module docstring), collectives through ``coll``.
 
-        # Stage 1, server side: average the P compressed copies of my chunk, compress again.
-        out_row = torch.empty(nb + sb, dtype=torch.uint8, device=device)
-        bounds = layout.chunk_bounds(k)
-        if finite:
-            # the P copies side by side, each scaled by 1/P, then summed: z = mean_i C[y_ik] + e_s
-            copies = decompress(recv[:, :nb], worker_scales.reshape(-1) / p, _tile(bounds, p)).view(p, c)
-            z = torch.add(copies[0], server_error)
-            for i in range(1, p):  # row by row: much faster than a sum over dim 0 on CPU
-                z.add_(copies[i])
-            _zero_masked(z, layout, start=k * c)
-            s = segment_scales(z, bounds, layout.chunk_segment_counts(k))
-            out_row[:nb] = pack_signs(z)
-            compression_error(z, s, bounds, out=server_error)
-            _zero_masked(server_error, layout, start=k * c)
-        else:
-            s = torch.full((s_per,), math.nan, dtype=torch.float32, device=device)
-            out_row[:nb] = 0
-        out_row[nb:] = s.view(torch.uint8)
+    ``ok`` (all worker scales of this rank's chunk finite) stays on the device: the error buffers
+    are updated through ``where(ok, new, old)``, a bad step's server scales are NaN and its signs
+    zero, exactly what a host-side branch gave, without reading a device value on the host.
+    """
+    c, nb, s_per = layout.chunk, layout.chunk_bytes, layout.segments_per_chunk
+    sb = _SCALE_BYTES * s_per
+    device = buffer.device
 
-        # Stage 2: every rank gets every server's chunk and decompresses the same bytes.
-        gathered = torch.empty(p, nb + sb, dtype=torch.uint8, device=device)
-        self._coll.all_gather(list(gathered.unbind(0)), out_row)
-        server_scales = gathered[:, nb:].contiguous().view(torch.float32).view(-1)
-        result = decompress(gathered[:, :nb], server_scales, layout.bounds)
-        if finite:
-            _zero_masked(result, layout)
-        return result
+    # Stage 1, worker side: y = x + e_w, compressed segment by segment.
+    y = buffer
+    y.add_(worker_error)
+    _zero_masked(y, layout)
+    scales = segment_scales(y, layout.bounds, layout.segment_counts)
+    scales.masked_fill_(~torch.isfinite(scales).all(), math.nan)  # every server will see it
+    send = torch.empty(p, nb + sb, dtype=torch.uint8, device=device)
+    send[:, :nb] = pack_signs(y.view(p, c))
+    send[:, nb:] = scales.view(torch.uint8).view(p, sb)
+    recv = torch.empty_like(send)
+    coll.all_to_all(recv, send)
+    # worker_scales[i, j]: scale of segment j of my chunk, as worker i compressed it
+    worker_scales = recv[:, nb:].contiguous().view(torch.float32).view(p, s_per)
+    ok = torch.isfinite(worker_scales).all()  # 0-dim, on the device; the same on every rank
+
+    # Stage 1, server side: average the P compressed copies of my chunk, compress again.
+    bounds = layout.chunk_bounds(k)
+    # the P copies side by side, each scaled by 1/P, then summed: z = mean_i C[y_ik] + e_s
+    copies = decompress(recv[:, :nb], worker_scales.reshape(-1) / p, _tile(bounds, p)).view(p, c)
+    z = torch.add(copies[0], server_error)
+    for i in range(1, p):  # row by row: much faster than a sum over dim 0 on CPU
+        z.add_(copies[i])
+    _zero_masked(z, layout, start=k * c)
+    s = segment_scales(z, bounds, layout.chunk_segment_counts(k))
+    s.masked_fill_(~ok, math.nan)
+    out_row = torch.empty(nb + sb, dtype=torch.uint8, device=device)
+    out_row[:nb] = pack_signs(z).masked_fill_(~ok, 0)
+    out_row[nb:] = s.view(torch.uint8)
+
+    # e_s <- z - C[z] and e_w <- y - C[y], only if every worker was finite (a NaN never enters an error)
+    def server_side(out: Tensor) -> None:
+        _zero_masked(compression_error(z, s, bounds, out=out), layout, start=k * c)
+
+    def worker_side(out: Tensor) -> None:
+        _zero_masked(compression_error(y, scales, layout.bounds, out=out), layout)
+
+    _update_error(ok, server_error, server_side, torch.empty_like(z))
+    _update_error(ok, worker_error, worker_side, copies.view(-1))  # the copies' memory is free now
+
+    # Stage 2: every rank gets every server's chunk and decompresses the same bytes.
+    gathered = torch.empty(p, nb + sb, dtype=torch.uint8, device=device)
+    coll.all_gather(list(gathered.unbind(0)), out_row)
+    server_scales = gathered[:, nb:].contiguous().view(torch.float32).view(-1)
+    result = decompress(gathered[:, :nb], server_scales, layout.bounds)
+    _zero_masked(result, layout, unless=~ok)  # a bad step's result stays NaN everywhere
+    return result
+
+
+#: on the CPU, branch on the host (reading a CPU tensor drains no queue); ``False`` in tests runs
+#: the accelerator path on the CPU, which must give the same bits
+_HOST_BRANCH_ON_CPU = True
+
+
+def _update_error(ok: Tensor, error: Tensor, compute: Callable[[Tensor], None], scratch: Tensor) -> None:
+    """``compute(out)`` writes the new error into ``out``; keep it in ``error`` only where ``ok`` (0-dim bool).
+
+    On an accelerator: computed into ``scratch`` (same size, not overlapping the inputs), then
+    ``error <- where(ok, scratch, error)``, no host read. On the CPU, where the read is free, a
+    host branch writes straight into ``error`` and saves that pass. Same bits either way.
+    """
+    if _HOST_BRANCH_ON_CPU and ok.device.type == "cpu":
+        if bool(ok):
+            compute(error)
+        return
+    compute(scratch)
+    torch.where(ok, scratch, error, out=error)
 
 
 def _tile(bounds: tuple[int, ...], times: int) -> tuple[int, ...]:

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from hf_zeroone._tensors import all_finite
+from hf_zeroone._tensors import non_finite_flag
 from hf_zeroone.optim import CompressedAdamBase, StepKind
 
 __all__ = ["ZeroOneHookState", "register_zeroone_hook", "zeroone_hook"]
@@ -124,19 +124,24 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     for p, g, view in zip(params, grads, flat.views(message)):
         opt.write_message(opt.group_of(p), p, g, kind, view)
     fut = opt.comm.compressed_allreduce_async(message, flat.worker_error, flat.server_error, flat.layout)
+    norms = None
     if kind is StepKind.ONEBIT_MOMENTUM:
         # The mean over ranks of the local squared norms, one float per tensor: gradient-sized norms
         # for clipping (see CompressedAdamBase), and the gradient's scale (hf_zeroone.optim._grad_scale).
         floats = opt.local_sq_norms(grads)
         if opt.follow_gradient_scale:
             floats = torch.cat([floats, opt.scale_samples(params, grads)])
-        fut = torch.futures.collect_all([fut, opt.comm.allreduce_mean_async(floats.to(buffer.device))])
+        norms = opt.comm.allreduce_mean_async(floats.to(buffer.device))
     dtype = buffer.dtype
 
-    # The callbacks only compute on tensors: no collective is ever issued inside a callback.
+    # The callbacks only compute on tensors: no collective is ever issued inside a callback, and
+    # no device value is read on the host. On CUDA they run on a stream that waited for the
+    # communicator's, and the future they complete is CUDA-aware like the communicator's.
     def to_gradient(f: torch.futures.Future) -> Tensor:
-        if kind is StepKind.ONEBIT_MOMENTUM:
-            combined, floats = (part.value() for part in f.value())
+        if norms is not None:
+            # ``f`` is the norms' future, completed after the compressed one (one worker, in
+            # order): wait() orders this callback's stream after both.
+            combined, floats = fut.wait(), f.wait()
             views = flat.views(combined)
             for p, view in zip(params, views):
                 opt.implied_gradient(opt.group_of(p), p, view)
@@ -144,13 +149,14 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
             if opt.follow_gradient_scale:
                 opt.record_grad_sq(params, floats[len(params) :])
         else:
-            combined = f.value()
+            combined = f.wait()
         result = combined[:n]
         if scale is not None:  # scaled again: the GradScaler unscales p.grad before step()
             result = result.mul(scale.to(device=result.device, dtype=result.dtype))
         return result.to(dtype)
 
-    return fut.then(to_gradient)
+    # Not torch.futures.collect_all: the future it returns is not CUDA-aware.
+    return (norms if norms is not None else fut).then(to_gradient)
 
 
 def _exact_with_scale(opt: CompressedAdamBase, buffer: Tensor, params: list, grads: list, scale: "Tensor | None"):  # noqa: ANN202
@@ -161,10 +167,13 @@ def _exact_with_scale(opt: CompressedAdamBase, buffer: Tensor, params: list, gra
     is overwritten by the average.
     """
     samples = opt.scale_samples(params, grads).to(buffer.device)
-    fut = torch.futures.collect_all([opt.comm.allreduce_mean_async(buffer), opt.comm.allreduce_mean_async(samples)])
+    averaged_fut = opt.comm.allreduce_mean_async(buffer)
+    samples_fut = opt.comm.allreduce_mean_async(samples)
 
+    # Not torch.futures.collect_all (its future is not CUDA-aware): the samples' future completes
+    # after the bucket's (one worker, in order), and wait() orders this callback after both.
     def record(f: torch.futures.Future) -> Tensor:
-        averaged, mean_samples = (part.value() for part in f.value())
+        averaged, mean_samples = averaged_fut.wait(), f.wait()
         offsets = [0]
         for p in params[:-1]:
             offsets.append(offsets[-1] + p.numel())
@@ -176,18 +185,15 @@ def _exact_with_scale(opt: CompressedAdamBase, buffer: Tensor, params: list, gra
         opt.record_grad_sq(params, mean_samples, handed)
         return averaged
 
-    return fut.then(record)
+    return samples_fut.then(record)
 
 
 def _agree_on_overflow(opt: CompressedAdamBase, buffer: Tensor) -> torch.futures.Future:
-    """Make a non-finite gradient on any rank visible on all (local steps, fp16)."""
-    flag = torch.tensor([0.0 if all_finite([buffer]) else 1.0], device=buffer.device)
-    fut = opt.comm.allreduce_mean_async(flag)
+    """Make a non-finite gradient on any rank visible on all (local steps, fp16); no host read."""
+    fut = opt.comm.allreduce_mean_async(non_finite_flag(buffer))
 
     def mark(f: torch.futures.Future) -> Tensor:
-        if f.value().item() > 0:
-            buffer.fill_(float("inf"))
-        return buffer
+        return buffer.masked_fill_(f.wait()[0] > 0, float("inf"))
 
     return fut.then(mark)
 

@@ -1,9 +1,10 @@
 """Run a function on N gloo ranks in fresh processes, with a timeout and every rank's stderr.
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo process
-group in each (short collective timeout), calls ``fn(rank, world_size, *args)`` and returns the
-list of per-rank return values (which must be picklable). Any exception, crash or timeout raises
-``AssertionError`` with the traceback and the stderr of every rank.
+group in each (short collective timeout; ``backend="nccl"`` puts rank ``r`` on GPU ``r``), calls
+``fn(rank, world_size, *args)`` and returns the list of per-rank return values (which must be
+picklable). Any exception, crash or timeout raises ``AssertionError`` with the traceback and the
+stderr of every rank.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, results, stderr_path, collective_timeout):
+def _worker(fn, rank, world_size, port, args, results, stderr_path, collective_timeout, backend):
     # Send this rank's stderr (and the C++ side's) to a file the parent can show.
     fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 2)
@@ -44,8 +45,10 @@ def _worker(fn, rank, world_size, port, args, results, stderr_path, collective_t
         MASTER_PORT=str(port),
     )
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -68,6 +71,7 @@ def run_ranks(
     *args: Any,
     timeout: float = 120.0,
     collective_timeout: float = 60.0,
+    backend: str = "gloo",
 ) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -77,7 +81,7 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, port, args, results, paths[r], collective_timeout),
+                args=(fn, r, world_size, port, args, results, paths[r], collective_timeout, backend),
                 daemon=True,
             )
             for r in range(world_size)

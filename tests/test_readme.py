@@ -3,8 +3,8 @@
 * Python blocks are the files under ``examples/``, copied verbatim after a ``<!-- file: PATH -->`` marker: the
   copy must equal the file, and each file runs on 2 CPU ranks with the launch command on its first line.
 * Shell commands (bash blocks, and inline commands that start a recipe) must name scripts that exist, ``pip``
-  extras that ``pyproject.toml`` defines and flags that the script's ``--help`` lists; the same goes for the
-  commands in ``docs/*.md``.
+  extras that ``pyproject.toml`` defines and flags that the script's ``--help`` lists (a ``bash`` script:
+  that it exists); the same goes for the commands in ``docs/*.md``.
 * The toy demo's table must be what ``recipes/toy_demo.py`` prints now.
 """
 
@@ -110,7 +110,10 @@ def _help(script: str) -> str:
 
 def _check_command(command: str, extras: set[str]) -> None:
     words = [w for w in shlex.split(command) if not re.fullmatch(r"[A-Z_]+=\S*", w)]
-    assert words and words[0] in (*LAUNCHERS, "ip"), f"unexpected command {command!r}"
+    assert words and words[0] in (*LAUNCHERS, "ip", "bash"), f"unexpected command {command!r}"
+    if words[0] == "bash":
+        assert len(words) > 1 and words[1].endswith(".sh") and (REPO / words[1]).is_file(), command
+        return
     if words[:2] == ["pip", "install"]:
         for extra in re.findall(r"\.\[(\w+)\]", command):
             assert extra in extras, f"{command!r}: no extra {extra!r} in pyproject.toml"

@@ -269,6 +269,8 @@ class CompressedAdamBase(Optimizer):
         self._grad_sq_samples: dict[Tensor, tuple[Tensor, Tensor | None]] = {}
         #: per parameter, the fraction of the implied gradient's norm that clipping kept this step
         self._kept_fraction: dict[Tensor, Tensor] = {}
+        #: per parameter, the fraction of the handed-on norm that clipping left (see _contain_spikes)
+        self._clip_fractions: list[tuple[Tensor, Tensor]] = []
         for group in self.param_groups:
             self._check_group(group)
 
@@ -756,7 +758,8 @@ class CompressedAdamBase(Optimizer):
         of ``p`` are scaled by the same factor: they hold the rest of this step's message, and the
         spike left there would otherwise flow into the next steps' messages, past the clipping.
         Routine clipping leaves them alone: scaling them on every step discards the compression
-        residuals error feedback needs.
+        residuals error feedback needs. The fraction is noted here and acted on by
+        :meth:`_contain_spikes`, which reads all of a step's fractions on the host at once.
         """
         entry = self._norm_proxy_factors.pop(p, None)
         if entry is None:
@@ -764,12 +767,27 @@ class CompressedAdamBase(Optimizer):
         factor, handed_norm = entry
         clipped = torch.linalg.vector_norm(value.float()) / handed_norm
         self._kept_fraction[p] = _kept(clipped)
-        if bool(clipped < _SPIKE_CLIP):
-            state = self.state[p]
-            for key in _FP32_STATE:
-                if key in state:
-                    state[key].mul_(clipped)
+        self._clip_fractions.append((p, clipped))
         return value / factor.to(value.dtype)
+
+    def _contain_spikes(self) -> None:
+        """Scale the error buffers of the parameters :meth:`_undo_norm_proxy` found spiked.
+
+        One host read per step (a GPU sync), not one per parameter; per-parameter reads only on a
+        step with a spike.
+        """
+        pending, self._clip_fractions = self._clip_fractions, []
+        if not pending:
+            return
+        home = pending[0][1].device
+        if not bool(torch.stack([f.to(home) for _, f in pending]).lt(_SPIKE_CLIP).any()):
+            return
+        for p, clipped in pending:
+            if bool(clipped < _SPIKE_CLIP):
+                state = self.state[p]
+                for key in _FP32_STATE:
+                    if key in state:
+                        state[key].mul_(clipped)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -797,6 +815,7 @@ class CompressedAdamBase(Optimizer):
             updates = [(g, p, p.grad) for g, p in self.trainable_params() if p.grad is not None]
             if kind is StepKind.ONEBIT_MOMENTUM and hook_done:
                 updates = [(g, p, self._undo_norm_proxy(p, v)) for g, p, v in updates]
+        self._contain_spikes()
         for _, _, value in updates:
             if value.is_sparse:
                 raise ValueError(f"{type(self).__name__} does not support sparse gradients")

@@ -1,0 +1,88 @@
+"""Compression kernels on CUDA against the CPU: bit for bit where the maths is exact.
+
+Packing, unpacking, decompressing with given scales and the compression error with given scales
+are exact operations (sign bits, +-1 times a scale, copysign and one correctly rounded
+subtraction), so CUDA must give the CPU's bits. Segment scales are norms (reductions in another
+order): equal to float32 rounding.
+"""
+
+import pytest
+import torch
+
+from hf_zeroone.comm import Communicator
+from hf_zeroone.compression import ChunkLayout, compression_error, decompress, pack_signs, segment_scales, unpack_signs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible here")
+
+CUDA = torch.device("cuda")
+
+
+def _inputs(n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g).to(dtype)
+    x[::97] = 0.0
+    x[1::97] = -0.0
+    x[2::101] = float("inf")
+    x[3::101] = -float("inf")
+    x[4::103] = torch.finfo(dtype).tiny / 2  # subnormal (or zero in formats without them)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [8, 1000, 2**20 + 8])
+def test_pack_and_unpack_are_bit_identical(dtype, n):
+    x = _inputs(n, dtype)
+    for shaped in (x, x.view(-1, 8)):
+        packed = pack_signs(shaped)
+        packed_cuda = pack_signs(shaped.to(CUDA))
+        assert torch.equal(packed_cuda.cpu(), packed)
+        for out_dtype in (torch.float32, torch.float16, torch.bfloat16):
+            assert torch.equal(unpack_signs(packed_cuda, out_dtype).cpu(), unpack_signs(packed, out_dtype))
+
+
+def test_decompress_and_compression_error_are_bit_identical_with_given_scales():
+    n = 4096
+    bounds = (0, 5, 5, 1000, 3000, n)  # an empty segment too
+    x = _inputs(n, torch.float32, seed=1)
+    x[~torch.isfinite(x)] = 1.5
+    scales = torch.tensor([0.3, 0.0, 1e-30, 7.25, 3.0e38])
+    packed = pack_signs(x)
+    cpu = decompress(packed, scales, bounds)
+    assert torch.equal(decompress(packed.to(CUDA), scales.to(CUDA), bounds).cpu(), cpu)
+    out = compression_error(x, scales, bounds, out=torch.empty(n))
+    out_cuda = compression_error(x.to(CUDA), scales.to(CUDA), bounds, out=torch.empty(n, device=CUDA))
+    assert torch.equal(out_cuda.cpu().view(torch.int32), out.view(torch.int32))
+
+
+def test_segment_scales_agree_to_float32_rounding():
+    n = 100_003
+    x = torch.randn(n) * torch.linspace(1e-3, 10, n)
+    bounds = (0, 17, 17, 5000, 99_000, n)
+    counts = torch.tensor([17.0, 0.0, 4983.0, 94_000.0, 1003.0])
+    cpu = segment_scales(x, bounds, counts)
+    cuda = segment_scales(x.to(CUDA), bounds, counts.to(CUDA)).cpu()
+    assert torch.allclose(cuda, cpu, rtol=2e-6, atol=0) and cuda[1] == 0
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_the_whole_compressed_allreduce_arithmetic_agrees_with_the_cpu(world):
+    """One rank's arithmetic (collectives replaced by a loopback), several rounds of error feedback."""
+    n = 50_001
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[100:900] = False
+    results = {}
+    for device in ("cpu", "cuda"):
+        layout = ChunkLayout.from_mask(n, world, keep, device, segment_starts=[17, 1000, 25_000])
+        comm = Communicator._loopback(world, rank=world - 1)
+        we = torch.zeros(layout.padded, device=device)
+        se = torch.zeros(layout.chunk, device=device)
+        g = torch.Generator().manual_seed(5)
+        outs = []
+        for _ in range(5):
+            buf = torch.zeros(layout.padded)
+            buf[:n] = torch.randn(n, generator=g)
+            outs.append(comm.compressed_allreduce(buf.to(device), we, se, layout).cpu())
+        results[device] = (torch.stack(outs), we.cpu(), se.cpu())
+        comm.close()
+    for a, b in zip(results["cpu"], results["cuda"]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,30 @@
+"""``recipes/bench_kernels.py`` runs on the CPU and prints its table (the GPU figures need a GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_kernels_prints_the_table_on_cpu(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "recipes/bench_kernels.py", "--device", "cpu", "--numel", "8192", "--world", "4",
+           "--segments", "3", "--repeat", "2", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert "device: CPU" in text and "memory bandwidth (plain copy):" in text
+    assert "| kernel | ms | GB/s | of memory bandwidth |" in text
+    for kernel in ("copy (reference)", "pack_signs", "unpack_signs", "segment_scales", "compression_error",
+                   "decompress", "compressed allreduce arithmetic (P=4)", "through the worker thread"):  # fmt: skip
+        assert f"| {kernel}" in text or kernel in text, kernel
+    res = json.loads(out.read_text())
+    assert res["numel"] == 8192 and len(res["rows"]) == 8
+    assert all(row["GB/s"] > 0 for row in res["rows"]) and res["rows"][0]["of_copy"] == 1.0

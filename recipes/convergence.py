@@ -65,6 +65,13 @@ class SuiteArguments:
     lsq_nproc: int = field(default=3, metadata={"help": "Ranks for lsq."})
     timeout: int = field(default=1800, metadata={"help": "Seconds one run may take before it is killed."})
     seed: int = field(default=0, metadata={"help": "Seed for data, initialisation and order."})
+    follow_gradient_scale: bool = field(
+        default=False,
+        metadata={
+            "help": "Build 1-bit and 0/1 Adam with follow_gradient_scale=True (opt-in, off by default) on clm, "
+            "mlm and lsq (finetune runs through ZeroOneTrainer, which does not expose it)."
+        },
+    )
     weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay, the same for every optimizer."})
     # language models
     clm_steps: int = field(default=1000, metadata={"help": "CLM optimizer steps."})
@@ -153,7 +160,7 @@ def prepare_finetune_data(args: SuiteArguments, out: Path) -> Path:
 
 def make_spec(args: SuiteArguments, workload: str, optimizer: str, data: Path, run_dir: Path) -> dict:
     spec = {"workload": workload, "optimizer": optimizer, "run_dir": str(run_dir), "data_dir": str(data)}
-    spec.update(seed=args.seed, weight_decay=args.weight_decay)
+    spec.update(seed=args.seed, weight_decay=args.weight_decay, follow_gradient_scale=args.follow_gradient_scale)
     if workload == "finetune":
         spec.update(lr=args.finetune_lr, epochs=args.finetune_epochs, warmup_ratio=args.finetune_warmup_ratio)
         spec.update(max_length=args.finetune_max_length, log_every=2)

@@ -18,7 +18,7 @@ def _lsq_batch(gen: torch.Generator, n: int, w_true: torch.Tensor) -> tuple[torc
     return x, x @ w_true.T + 0.1 * torch.randn(n, w_true.shape[0], generator=gen)
 
 
-def _lsq(name: str, rank: int = 0, world: int = 1, batch: int = 48) -> float:
+def _lsq(name: str, rank: int = 0, world: int = 1, batch: int = 48, follow: bool = True) -> float:
     """Least squares (weights of std 1): the loss, and the gradient's scale, fall 100x after the freeze."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -29,7 +29,7 @@ def _lsq(name: str, rank: int = 0, world: int = 1, batch: int = 48) -> float:
     model = torch.nn.Linear(128, 32)
     net = DDP(model) if world > 1 else model
     kw = {"lr": 1e-2, "betas": (0.9, 0.99)}
-    mine = {"follow_gradient_scale": True}
+    mine = {"follow_gradient_scale": follow}
     if name == "onebit":
         opt = OneBitAdam(net.parameters(), freeze_step=LSQ_FREEZE, **kw, **mine)
     elif name == "zeroone":

@@ -1,0 +1,203 @@
+"""Bytes per parameter each optimizer holds, per phase: 1-bit Adam and 0/1 Adam against AdamW and DeepSpeed.
+
+Run (CPU, spawns its own gloo ranks, about a minute)::
+
+    python recipes/bench_memory.py
+
+``--world_size`` ranks (default 2) train a stack of Linear layers (about 3.2M parameters, fp32) with AdamW
+(plain DDP) and with ``OneBitAdam`` and ``ZeroOneAdam`` on two paths: DDP with the hf_zeroone hook
+(``register_zeroone_hook``, DDP's default buckets) and ``step()`` (no DDP: the optimizer communicates
+in ``step()``). The schedules are short so that every phase is reached. After every step, rank 0
+adds up the tensor storage the optimizer holds (:func:`hf_zeroone.optim._memory.state_bytes`: every
+distinct storage once, views counted at the size of what they view, stale buffers included) and
+divides by the number of parameters. A phase's figure is the largest over its steps. Transient
+tensors of a step are not counted (see the README's "Memory" section).
+
+DeepSpeed's figures are read from ``deepspeed/runtime/fp16/onebit/{adam,zoadam}.py`` (per-parameter
+state, fp32): ``OnebitAdam`` holds ``exp_avg`` and ``exp_avg_sq`` in the warm-up and adds
+``worker_error`` (padded size) and ``server_error`` (padded size / P) when compression starts;
+``ZeroOneAdam`` allocates ``exp_avg``, ``exp_avg_sq``, ``worker_error``, ``server_error`` and
+``momentum_accumulator`` at its first step and keeps them. Not counted for DeepSpeed: the fp32 master
+weights of its fp16 engine (any optimizer pays them), the user's ``exp_avg_mask``, and scratch
+inside a compressed allreduce call (per tensor, freed after the call).
+
+``--breakdown`` adds a table of the bytes per parameter by role (state entry or cached buffer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hf_zeroone import OneBitAdam, StepKind, ZeroOneAdam
+from hf_zeroone.ddp_hook import register_zeroone_hook
+from hf_zeroone.optim._memory import documented_bytes_per_param, state_bytes
+
+#: DeepSpeed's per-parameter optimizer state in bytes, by phase, for P ranks (see the docstring)
+DEEPSPEED: dict[str, dict[str, Callable[[int], float]]] = {
+    "AdamW": {"all phases": lambda P: 8.0},
+    "OneBitAdam": {
+        "warm-up (exact)": lambda P: 8.0,
+        "compression (1-bit momentum)": lambda P: 12.0 + 4.0 / P,
+    },
+    "ZeroOneAdam": {
+        "phase 1, exact steps only": lambda P: 16.0 + 4.0 / P,
+        "phase 1 (1-bit gradients)": lambda P: 16.0 + 4.0 / P,
+        "phase 2 (local steps, 1-bit syncs)": lambda P: 16.0 + 4.0 / P,
+    },
+}
+STEPS = {"AdamW": 4, "OneBitAdam": 8, "ZeroOneAdam": 18}
+
+
+def make_model(width: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = [torch.nn.Linear(width // 2, width), torch.nn.Tanh()]
+    for _ in range(layers - 2):
+        mods += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    mods.append(torch.nn.Linear(width, width // 2))
+    return torch.nn.Sequential(*mods)
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "AdamW":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if name == "OneBitAdam":
+        return OneBitAdam(params, lr=1e-3, weight_decay=0.01, freeze_step=3)
+    # exact steps 0-1, then T_v (1-bit gradients on 3, 5, 6), local steps and syncs from step 8
+    return ZeroOneAdam(
+        params,
+        lr=1e-3,
+        weight_decay=0.01,
+        var_freeze_step=8,
+        var_update_scaler=1,
+        local_step_scaler=2,
+        local_step_clipper=4,
+        exact_warmup_steps=2,
+    )
+
+
+def phase_of(name: str, kind: StepKind | None, compressed_before: bool) -> str:
+    if name == "AdamW":
+        return "all phases"
+    if name == "OneBitAdam":
+        return "warm-up (exact)" if kind is StepKind.EXACT else "compression (1-bit momentum)"
+    if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
+        return "phase 2 (local steps, 1-bit syncs)"
+    return "phase 1 (1-bit gradients)" if compressed_before else "phase 1, exact steps only"
+
+
+def run(name: str, path: str, args: argparse.Namespace, rank: int) -> dict[str, tuple[float, dict[str, float]]]:
+    """Train one optimizer on one path; per phase, the largest bytes/param held after a step and its breakdown."""
+    model = make_model(args.width, args.layers)
+    n = sum(p.numel() for p in model.parameters())
+    wrapped = DDP(model) if path == "hook" else model
+    opt = make_optimizer(name, wrapped.parameters())
+    if path == "hook" and name != "AdamW":
+        register_zeroone_hook(wrapped, opt)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    phases: dict[str, tuple[float, dict[str, float]]] = {}
+    compressed = False
+    for _ in range(STEPS[name]):
+        x = torch.randn(8, args.width // 2, generator=gen)
+        loss = (wrapped(x) - x.flip(1)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the step() path's "no hook ran" warning
+            opt.step()
+        kind = getattr(opt, "last_step_kind", None)
+        compressed = compressed or (kind is not None and kind.compressed)
+        roles = {role: b / n for role, b in state_bytes(opt).items()}
+        phase = phase_of(name, kind, compressed)
+        total = sum(roles.values())
+        if total >= phases.get(phase, (-1.0, {}))[0]:
+            phases[phase] = (total, roles)
+    if name != "AdamW":
+        opt.comm.close()
+    return phases
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    results = {}
+    for name in ("AdamW", "OneBitAdam", "ZeroOneAdam"):
+        for path in ("hook", "step"):
+            if name == "AdamW" and path == "step":
+                continue
+            results[(name, path)] = run(name, path, args, rank)
+    if rank == 0:
+        queue.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fmt(x: float) -> str:
+    return f"{x:.2f}".rstrip("0").rstrip(".")
+
+
+def report(results: dict, world: int, n: int, breakdown: bool) -> str:
+    lines = [
+        f"Bytes per parameter held by the optimizer between steps, beyond the model and its gradients "
+        f"(fp32, {n / 1e6:.1f}M parameters, {world} ranks):",
+        "",
+        "| optimizer | phase | DDP + hf_zeroone hook | `step()` path | documented | DeepSpeed |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for name, phases in DEEPSPEED.items():
+        for phase, ds in phases.items():
+            hook = results[(name, "hook")].get(phase)
+            step = results.get((name, "step"), {}).get(phase)
+            cells = [fmt(c[0]) if c else "-" for c in (hook, step)]
+            if name == "AdamW":
+                cells[1] = "(plain DDP)"
+            doc = fmt(documented_bytes_per_param(name, phase, world))
+            label = "AdamW (torch)" if name == "AdamW" else name
+            lines.append(f"| {label} | {phase} | {cells[0]} | {cells[1]} | {doc} | {fmt(ds(world))} |")
+    if breakdown:
+        lines += ["", "By role (bytes per parameter):", "", "| optimizer | path | phase | roles |", "|---|---|---|---|"]
+        for (name, path), phases in results.items():
+            for phase, (_, roles) in phases.items():
+                listed = ", ".join(f"{r} {fmt(b)}" for r, b in roles.items() if b >= 0.005)
+                lines.append(f"| {name} | {path} | {phase} | {listed} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world_size", type=int, default=2, help="gloo ranks to spawn (default 2)")
+    parser.add_argument("--width", type=int, default=1024, help="width of the hidden layers (default 1024)")
+    parser.add_argument("--layers", type=int, default=4, help="number of Linear layers (default 4)")
+    parser.add_argument("--breakdown", action="store_true", help="also print the bytes per role")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
+    for p in procs:
+        p.start()
+    results = queue.get(timeout=900)
+    for p in procs:
+        p.join(timeout=60)
+    if any(p.exitcode != 0 for p in procs):
+        raise SystemExit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
+    n = sum(p.numel() for p in make_model(args.width, args.layers).parameters())
+    print(report(results, args.world_size, n, args.breakdown))
+
+
+if __name__ == "__main__":
+    main()

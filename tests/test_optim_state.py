@@ -166,3 +166,15 @@ def test_zeroone_adam_takes_local_steps_in_runs_shorter_than_deepspeeds_scaler()
     assert opt.local_step_scaler == 10
     kinds = _kinds(opt, p, lambda s: 1.0, 200)
     assert kinds[150:].count(StepKind.LOCAL) > 40  # the sync gap reached 16 well before the end
+
+
+def test_a_server_error_that_does_not_fit_the_parameter_is_refused():
+    p = torch.nn.Parameter(torch.ones(6))
+    opt = OneBitAdam([p], freeze_step=1)
+    p.grad = torch.ones(6)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["server_error"] = torch.zeros(4)
+    sd["state"][0]["server_error_start"] = 3
+    with pytest.raises(ValueError, match="server_error for a parameter of shape \\(6,\\) covers elements 3 to 7"):
+        OneBitAdam([p], freeze_step=1).load_state_dict(sd)

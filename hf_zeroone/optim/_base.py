@@ -47,7 +47,6 @@ import os
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,8 +56,14 @@ from torch.optim import Optimizer
 
 from hf_zeroone._tensors import all_finite
 from hf_zeroone.comm import CommStats, Communicator
-from hf_zeroone.compression import ChunkLayout
-from hf_zeroone.optim import _masks
+from hf_zeroone.optim import _masks, _memory
+from hf_zeroone.optim._flat import (
+    ERROR_STATE,
+    FlatBuffers,
+    build_flat_buffers,
+    refresh_layout,
+    restore_errors,
+)
 
 __all__ = ["CompressedAdamBase", "FlatBuffers", "StepKind"]
 
@@ -113,30 +118,6 @@ class StepKind(enum.Enum):
     def message_is_gradient(self) -> bool:
         """True when a rank's message is its raw gradient (what DDP's bucket already holds)."""
         return self in (StepKind.EXACT, StepKind.ONEBIT_GRADIENT)
-
-
-@dataclass
-class FlatBuffers:
-    """Flat fp32 buffers for one ordered list of parameters (all of them, or one DDP bucket).
-
-    ``worker_error`` and ``server_error_full`` are the storage behind the per-parameter state
-    entries ``"worker_error"`` / ``"server_error"`` (those are views into them), so the state
-    stays per parameter (checkpoints do not depend on DDP's buckets) while communication works on
-    flat memory. ``server_error`` is this rank's chunk of ``server_error_full``.
-    """
-
-    params: tuple[Tensor, ...]
-    offsets: tuple[int, ...]
-    layout: ChunkLayout
-    message: Tensor
-    worker_error: Tensor
-    server_error_full: Tensor
-    server_error: Tensor
-    worker_error_views: tuple[Tensor, ...]
-
-    def views(self, flat: Tensor) -> list[Tensor]:
-        """Slices of ``flat`` shaped like each parameter."""
-        return [flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
 
 def _check_fraction(name: str, value: float) -> None:
@@ -487,6 +468,7 @@ class CompressedAdamBase(Optimizer):
                 _masks.scatter_flags(s, f) for (_, _, s), f in zip(masked, agreed.split([len(f) for f in flags]))
             ]
         everywhere = None  # mean known variance over all tensors, computed only if needed
+        changed: set[int] = set()
         for (group, p, state), rows in zip(masked, released):
             _masks.clear_activity(state)
             if not bool(rows.any()):
@@ -503,7 +485,10 @@ class CompressedAdamBase(Optimizer):
             user = group.get("exp_avg_mask")
             user_mask = None if user is None else torch.broadcast_to(user.to(p.device) != 0, p.shape)
             _masks.release_rows(state, rows, user_mask, total / count)
-            self._flat_cache.clear()
+            changed.add(id(p))
+        for entry in self._flat_cache.values():  # same positions, new masks: the buffers stay
+            if changed.intersection(map(id, entry.params)):
+                refresh_layout(entry, lambda q: self.state[q])
 
     def _start_local_phase(self) -> None:
         """Entering local steps: remember the synced parameters, reset u and the error buffers."""
@@ -520,10 +505,11 @@ class CompressedAdamBase(Optimizer):
 
     # ------------------------------------------------------------------ flat buffers
     def flat_buffers(self, params: Sequence[Tensor]) -> FlatBuffers:
-        """Flat message and error buffers for ``params`` in this order (cached per order).
+        """Flat error buffers for ``params`` in this order (cached per order; see :mod:`._flat`).
 
         The first call for an order (e.g. after DDP rebuilt its buckets) moves each parameter's
-        error state into new flat storage and makes the state entries views of it.
+        error state into new flat storage, makes the state entries views of it, and frees the
+        cached buffers of any other order that shares a parameter with it.
         """
         key = tuple(id(p) for p in params)
         entry = self._flat_cache.get(key)
@@ -531,50 +517,18 @@ class CompressedAdamBase(Optimizer):
             self.state[p].get("worker_error") is view for p, view in zip(entry.params, entry.worker_error_views)
         ):
             return entry
-        device = params[0].device
-        offsets, total = [], 0
-        for p in params:
-            if p.device != device:
-                raise ValueError(
-                    f"{type(self).__name__} needs all parameters communicated together on one device; "
-                    f"found {p.device} and {device}"
-                )
-            offsets.append(total)
-            total += p.numel()
-        masks = [self.state[p].get("momentum_mask") for p in params]
-        element_mask = None
-        if any(m is not None for m in masks):
-            element_mask = torch.cat(
-                [
-                    (m.to(device).reshape(-1) != 0)
-                    if m is not None
-                    else torch.ones(p.numel(), dtype=torch.bool, device=device)
-                    for m, p in zip(masks, params)
-                ]
-            )
-        layout = ChunkLayout.from_mask(total, self.comm.world_size, element_mask, device, segment_starts=offsets)
-        worker = torch.zeros(layout.padded, dtype=torch.float32, device=device)
-        server = torch.zeros(layout.padded, dtype=torch.float32, device=device)
-        for p, o in zip(params, offsets):
-            state = self.state[p]
-            for name, flat in (("worker_error", worker), ("server_error", server)):
-                view = flat[o : o + p.numel()].view_as(p)
-                if name in state:
-                    view.copy_(state[name])
-                state[name] = view
-        c, r = layout.chunk, self.comm.rank
-        entry = FlatBuffers(
-            params=tuple(params),
-            offsets=tuple(offsets),
-            layout=layout,
-            message=torch.zeros(layout.padded, dtype=torch.float32, device=device),
-            worker_error=worker,
-            server_error_full=server,
-            server_error=server[r * c : (r + 1) * c],
-            worker_error_views=tuple(self.state[p]["worker_error"] for p in params),
+        ids = set(key)
+        for other in [k for k in self._flat_cache if ids.intersection(k)]:
+            del self._flat_cache[other]  # its storage backs no state once the new entry is built
+        entry = build_flat_buffers(
+            params, lambda p: self.state[p], self.comm.world_size, self.comm.rank, type(self).__name__
         )
         self._flat_cache[key] = entry
         return entry
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of tensor storage this optimizer holds, by role (see :func:`._memory.state_bytes`)."""
+        return _memory.state_bytes(self)
 
     # ------------------------------------------------------------------ the step
     def _exchange(self, kind: StepKind) -> list[tuple[dict[str, Any], Tensor, Tensor]]:
@@ -599,8 +553,8 @@ class CompressedAdamBase(Optimizer):
             return results
         if kind.compressed:
             flat = self.flat_buffers(params)
-            message, views = flat.message, flat.views
-            message.zero_()
+            message, views = flat.new_message(), flat.views
+            message[flat.layout.numel :].zero_()
         else:
             message = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
             offsets = [0]
@@ -743,8 +697,10 @@ class CompressedAdamBase(Optimizer):
         """Torch's optimizer state plus the schedule counters and this rank's identity.
 
         Per-parameter state includes this rank's error buffers; save one file per rank to keep
-        them (they differ between ranks). Everything is plain tensors, numbers and strings, so it
-        loads with ``torch.load(..., weights_only=True)``.
+        them (they differ between ranks): ``worker_error`` shaped like the parameter, and
+        ``server_error``, one-dimensional, only the elements this rank serves, which start at
+        element ``server_error_start`` of the flattened parameter (see :mod:`._flat`). Everything is
+        plain tensors, numbers and strings, so it loads with ``torch.load(..., weights_only=True)``.
         """
         sd = super().state_dict()
         sd[_STATE_KEY] = {
@@ -765,7 +721,10 @@ class CompressedAdamBase(Optimizer):
         self._deferred_state = state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`; error buffers from another world size or rank are reset."""
+        """Load a :meth:`state_dict`; error buffers from another world size or rank are reset.
+
+        Checkpoints of earlier versions, whose ``server_error`` entries are full-size, load too.
+        """
         deferred, self._deferred_state = getattr(self, "_deferred_state", None), None
         state_dict = dict(deferred if deferred is not None else state_dict)
         extra = state_dict.pop(_STATE_KEY, None)
@@ -799,8 +758,7 @@ class CompressedAdamBase(Optimizer):
                 stacklevel=2,
             )
             state_dict["state"] = {
-                k: {n: v for n, v in s.items() if n not in ("worker_error", "server_error")}
-                for k, s in state_dict["state"].items()
+                k: {n: v for n, v in s.items() if n not in ERROR_STATE} for k, s in state_dict["state"].items()
             }
         if any("momentum_accumulator" in s for s in state_dict["state"].values()):
             raise ValueError(
@@ -810,16 +768,15 @@ class CompressedAdamBase(Optimizer):
             )
         # torch casts every floating-point state tensor to its parameter's dtype; the error buffers
         # stay float32 (a bf16 model keeps fp32 error feedback), so they are restored here.
-        errors = {k: {n: v for n, v in s.items() if n in _FP32_STATE} for k, s in state_dict["state"].items()}
+        errors = {k: {n: v for n, v in s.items() if n in ERROR_STATE} for k, s in state_dict["state"].items()}
         state_dict["state"] = {
-            k: {n: v for n, v in s.items() if n not in _FP32_STATE} for k, s in state_dict["state"].items()
+            k: {n: v for n, v in s.items() if n not in ERROR_STATE} for k, s in state_dict["state"].items()
         }
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for saved_id, p in zip(saved_ids, params):
-            for name, value in errors.get(saved_id, {}).items():
-                self.state[p][name] = value.to(device=p.device, dtype=torch.float32, copy=True)
+            restore_errors(self.state[p], p, errors.get(saved_id, {}))
         for state in self.state.values():
             for name in ("momentum_mask", "pending_rows"):  # booleans, cast to the parameter's dtype by torch
                 if name in state:

@@ -310,7 +310,7 @@ class CompressedAdamBase(Optimizer):
             return
         state = self.state[p]
         if kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
-            out.copy_(state["update_accumulator"])
+            self._displacement(p, out)
             return
         beta1 = group["betas"][0]
         g = self._l2_gradient(group, p, grad)
@@ -378,9 +378,32 @@ class CompressedAdamBase(Optimizer):
         denom = exp_avg_sq.sqrt().div_(math.sqrt(c2)).add_(eps)
         p.addcdiv_(exp_avg, denom, value=-lr / c1)
         if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
-            state["update_accumulator"].addcdiv_(exp_avg, denom, value=lr / c1)
+            if "update_accumulator" in state:  # low-precision parameters, see _displacement
+                state["update_accumulator"].addcdiv_(exp_avg, denom, value=lr / c1)
             state["lr_sum"] += lr
             state["decay_prod"] *= decay
+
+    @staticmethod
+    def _accumulates_displacement(p: Tensor) -> bool:
+        """Whether ``p`` keeps 0/1 Adam's ``u`` in a buffer instead of deriving it (see :meth:`_displacement`)."""
+        return p.dtype not in (torch.float32, torch.float64)
+
+    def _displacement(self, p: Tensor, out: Tensor) -> None:
+        """0/1 Adam's ``u`` for ``p`` into ``out`` (fp32): what the local steps since the last sync moved it.
+
+        Derived as ``u = decay_prod * sync_param - p`` (no buffer held): a sync then sets
+        ``p = decay_prod * sync_param - u_avg``, which without compression is exactly where the
+        local steps left ``p``. A parameter below fp32 (bf16, fp16) accumulates ``u`` in a buffer
+        instead, since each local step's rounding of ``p`` to its own precision would drop updates
+        the accumulator keeps.
+        """
+        state = self.state[p]
+        if "update_accumulator" in state:
+            out.copy_(state["update_accumulator"])
+        elif p.dtype == out.dtype:
+            torch.mul(state["sync_param"], state["decay_prod"], out=out).sub_(p)
+        else:
+            out.copy_(state["sync_param"].mul(state["decay_prod"]).sub_(p))
 
     def _apply_sync(self, group: dict[str, Any], p: Tensor, combined_u: Tensor, kind: StepKind) -> None:
         """Back to the last synced parameters, then the averaged accumulated update (in parameter space)."""
@@ -391,7 +414,11 @@ class CompressedAdamBase(Optimizer):
         if state["lr_sum"] > 0:
             denom = state["exp_avg_sq"].sqrt().div_(math.sqrt(c2)).add_(group["eps"])
             state["exp_avg"].copy_(combined_u).mul_(denom).mul_(c1 / state["lr_sum"])
-        state["update_accumulator"].zero_()
+        if "update_accumulator" in state:
+            if self._accumulates_displacement(p):
+                state["update_accumulator"].zero_()
+            else:  # derived from now on (a checkpoint of an earlier version brought one)
+                del state["update_accumulator"]
         state["sync_param"].copy_(p)
         state["lr_sum"], state["decay_prod"] = 0.0, 1.0
 
@@ -400,7 +427,8 @@ class CompressedAdamBase(Optimizer):
         state = self.state[p]
         p.copy_(state["sync_param"])
         state["exp_avg"].zero_()
-        state["update_accumulator"].zero_()
+        if "update_accumulator" in state:
+            state["update_accumulator"].zero_()
         state["lr_sum"], state["decay_prod"] = 0.0, 1.0
 
     # ------------------------------------------------------------------ preparation
@@ -495,7 +523,10 @@ class CompressedAdamBase(Optimizer):
         for _, p in self.trainable_params():
             state = self.state[p]
             state["sync_param"] = p.detach().clone()
-            state["update_accumulator"] = torch.zeros_like(p)
+            if self._accumulates_displacement(p):
+                state["update_accumulator"] = torch.zeros_like(p)
+            else:
+                state.pop("update_accumulator", None)
             state["lr_sum"], state["decay_prod"] = 0.0, 1.0
             # The errors so far belong to compressed gradients, not to u (as DeepSpeed does).
             for key in ("worker_error", "server_error"):

@@ -42,6 +42,7 @@ once.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import os
 import sys
@@ -61,8 +62,10 @@ from hf_zeroone.optim._flat import (
     ERROR_STATE,
     FlatBuffers,
     build_flat_buffers,
+    consecutive_views,
     refresh_layout,
     restore_errors,
+    split_in_buckets,
 )
 
 __all__ = ["CompressedAdamBase", "FlatBuffers", "StepKind"]
@@ -165,6 +168,10 @@ class CompressedAdamBase(Optimizer):
 
     #: the hyper-parameters that define the schedule (stored in ``state_dict``); set by subclasses
     schedule_params: tuple[str, ...] = ()
+    #: when ``step()`` communicates (no DDP hook ran, and every sync of 0/1 Adam), parameters go in
+    #: buckets of at most this many elements, one message at a time: 25 MiB of fp32, DDP's default
+    #: bucket size. Bounds the transient memory of a step; a larger parameter gets a bucket of its own.
+    step_bucket_numel: int = 25 * 2**20 // 4
 
     def __init__(
         self,
@@ -582,32 +589,32 @@ class CompressedAdamBase(Optimizer):
                     self.implied_gradient(group, p, out)
                 results.append((group, p, out))
             return results
-        if kind.compressed:
-            flat = self.flat_buffers(params)
-            message, views = flat.new_message(), flat.views
-            message[flat.layout.numel :].zero_()
-        else:
-            message = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
-            offsets = [0]
-            for p in params[:-1]:
-                offsets.append(offsets[-1] + p.numel())
-
-            def views(t: Tensor) -> list[Tensor]:
-                return [t[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets)]
-
-        for (group, p), view in zip(pairs, views(message)):
-            self.write_message(group, p, p.grad, kind, view)
-        if kind.compressed:
-            combined = self.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout)
-        else:
-            combined = self.comm.allreduce_mean(message)
-        results = [(group, p, view) for (group, p), view in zip(pairs, views(combined))]
+        results: list[tuple[dict[str, Any], Tensor, Tensor]] = []
+        for bucket in split_in_buckets(pairs, self.step_bucket_numel):  # one bucket's message at a time
+            bucket_params = [p for _, p in bucket]
+            if kind.compressed:
+                flat = self.flat_buffers(bucket_params)
+                message, views = flat.new_message(), flat.views
+                message[flat.layout.numel :].zero_()
+            else:
+                numel = sum(p.numel() for p in bucket_params)
+                message = torch.empty(numel, dtype=torch.float32, device=params[0].device)
+                views = functools.partial(consecutive_views, bucket_params)
+            for (group, p), view in zip(bucket, views(message)):
+                self.write_message(group, p, p.grad, kind, view)
+            if kind.compressed:
+                combined = self.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout)
+            else:
+                combined = self.comm.allreduce_mean(message)
+            del message  # the compressed allreduce's scratch: freed before the next bucket
+            results += [(group, p, view) for (group, p), view in zip(bucket, views(combined))]
         if kind is StepKind.ONEBIT_MOMENTUM:
             mean_sq = self.comm.allreduce_mean(self.local_sq_norms([p.grad for p in params]).to(params[0].device))
             for group, p, view in results:
                 self.implied_gradient(group, p, view)
             self.norm_proxy(params, [v for _, _, v in results], mean_sq)  # as the hook does, so that
-            results = [(g, p, self._undo_norm_proxy(p, v)) for g, p, v in results]  # both paths agree
+            # back into the combined buffer: one parameter's worth of scratch at a time
+            results = [(g, p, v.copy_(self._undo_norm_proxy(p, v))) for g, p, v in results]  # both agree
         return results
 
     def _undo_norm_proxy(self, p: Tensor, value: Tensor) -> Tensor:

@@ -38,9 +38,11 @@ __all__ = [
     "ERROR_STATE",
     "FlatBuffers",
     "build_flat_buffers",
+    "consecutive_views",
     "place_server_error",
     "refresh_layout",
     "restore_errors",
+    "split_in_buckets",
 ]
 
 #: a parameter's error-feedback state entries: its two buffers and where its server error starts
@@ -74,6 +76,32 @@ class FlatBuffers:
     def views(self, flat: Tensor) -> list[Tensor]:
         """Slices of ``flat`` shaped like each parameter."""
         return [flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+
+
+def consecutive_views(params: Sequence[Tensor], flat: Tensor) -> list[Tensor]:
+    """Consecutive slices of ``flat`` shaped like each of ``params``."""
+    out, offset = [], 0
+    for p in params:
+        out.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return out
+
+
+def split_in_buckets(items: Sequence[tuple[Any, Tensor]], cap: int) -> list[list[tuple[Any, Tensor]]]:
+    """``(group, param)`` pairs cut, in order, into buckets of at most ``cap`` elements.
+
+    A parameter larger than ``cap`` gets a bucket of its own.
+    """
+    buckets: list[list[tuple[Any, Tensor]]] = []
+    size = 0
+    for item in items:
+        n = item[1].numel()
+        if not buckets or (buckets[-1] and size + n > cap):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(item)
+        size += n
+    return buckets
 
 
 def _overlap(offset: int, numel: int, lo: int, hi: int) -> tuple[int, int]:

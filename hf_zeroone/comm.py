@@ -153,6 +153,8 @@ class _SerialExecutor:
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
+            # Not kept until the next job arrives: the finished job's inputs (a message) and result.
+            item = job = fut = result = None
 
     def on_worker_thread(self) -> bool:
         return threading.current_thread() is self._thread

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -118,9 +119,13 @@ def reset_peak() -> None:
         f.write("5")  # resets VmHWM to the current resident size (Linux)
 
 
-def run(name: str, path: str, args: argparse.Namespace, rank: int) -> dict[str, tuple[float, dict[str, float], float]]:
-    """Train one optimizer on one path. Per phase: the largest bytes/param held after a step, its
-    breakdown, and the largest transient peak (bytes/param) of a backward + step."""
+Phases = dict[str, tuple[float, dict[str, float], float, float]]
+
+
+def run(name: str, path: str, args: argparse.Namespace, rank: int) -> Phases:
+    """Train one optimizer on one path. Per phase, in bytes per parameter: the largest held after a step
+    and its breakdown, the largest transient peak of a backward + step, and the largest growth of the
+    resident size after a step over the resident size before the first step (gradients allocated)."""
     model = make_model(args.width, args.layers, args.embedding)
     n = sum(p.numel() for p in model.parameters())
     wrapped = DDP(model, bucket_cap_mb=args.bucket_mb) if path == "hook" else model
@@ -130,8 +135,8 @@ def run(name: str, path: str, args: argparse.Namespace, rank: int) -> dict[str, 
     if path == "hook" and name != "AdamW":
         register_zeroone_hook(wrapped, opt)
     gen = torch.Generator().manual_seed(1000 + rank)
-    phases: dict[str, tuple[float, dict[str, float], float]] = {}
-    compressed = False
+    phases: Phases = {}
+    compressed, base = False, None
     for _ in range(STEPS[name]):
         if args.embedding:  # only the first quarter of the rows is ever used: the rest is masked
             x = torch.randint(0, args.embedding // 4, (8,), generator=gen)
@@ -143,19 +148,22 @@ def run(name: str, path: str, args: argparse.Namespace, rank: int) -> dict[str, 
         reset_peak()
         before, _ = resident_bytes()
         loss.backward()
+        if base is None:
+            base, _ = resident_bytes()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the step() path's "no hook ran" warning
             opt.step()
+        time.sleep(0.05)  # the communication thread lets go of a finished job
         after, peak = resident_bytes()
         transient = max(0, peak - max(before, after)) / n
         kind = getattr(opt, "last_step_kind", None)
         compressed = compressed or (kind is not None and kind.compressed)
         roles = {role: b / n for role, b in state_bytes(opt).items()}
         phase = phase_of(name, kind, compressed)
-        held, held_roles, worst = phases.get(phase, (-1.0, {}, 0.0))
+        held, held_roles, worst, grown = phases.get(phase, (-1.0, {}, 0.0, 0.0))
         if sum(roles.values()) >= held:
             held, held_roles = sum(roles.values()), roles
-        phases[phase] = (held, held_roles, max(worst, transient))
+        phases[phase] = (held, held_roles, max(worst, transient), max(grown, (after - base) / n))
     if name != "AdamW":
         opt.comm.close()
     return phases
@@ -196,8 +204,8 @@ def report(results: dict, world: int, n: int, breakdown: bool) -> str:
             hook = results[(name, "hook")].get(phase)
             step = results.get((name, "step"), {}).get(phase)
             cells = [fmt(c[0]) if c else "-" for c in (hook, step)]
-            transient = " | ".join(f"{c[2]:.1f}" if c else "-" for c in (hook, step))
-            peaks.append(f"| {name} | {phase} | {transient} |")
+            measured = [f"{c[2]:.1f}" if c else "-" for c in (hook, step)] + [f"{step[3]:.1f}" if step else "-"]
+            peaks.append(f"| {name} | {phase} | " + " | ".join(measured) + " |")
             if name == "AdamW":
                 cells[1] = "(plain DDP)"
             doc = fmt(documented_bytes_per_param(name, phase, world))
@@ -205,17 +213,19 @@ def report(results: dict, world: int, n: int, breakdown: bool) -> str:
             lines.append(f"| {label} | {phase} | {cells[0]} | {cells[1]} | {doc} | {fmt(ds(world))} |")
     lines += [
         "",
-        "Transient peak during backward + step, above the larger of the resident sizes before and after "
-        "(bytes per parameter; VmHWM, gradients already allocated):",
+        "Measured on the process (bytes per parameter): transient peak during backward + step above the "
+        "larger of the resident sizes before and after (VmHWM); growth of the resident size after a step "
+        "over that before the first step (VmRSS, gradients allocated), a cross-check of the held figures "
+        "where DDP's own buffers do not move it:",
         "",
-        "| optimizer | phase | DDP + hf_zeroone hook | `step()` path |",
-        "|---|---|---:|---:|",
+        "| optimizer | phase | transient, hook | transient, `step()` | resident growth, `step()` |",
+        "|---|---|---:|---:|---:|",
         *peaks,
     ]
     if breakdown:
         lines += ["", "By role (bytes per parameter):", "", "| optimizer | path | phase | roles |", "|---|---|---|---|"]
         for (name, path), phases in results.items():
-            for phase, (_, roles, _) in phases.items():
+            for phase, (_, roles, _, _) in phases.items():
                 listed = ", ".join(f"{r} {fmt(b)}" for r, b in roles.items() if b >= 0.005)
                 lines.append(f"| {name} | {path} | {phase} | {listed} |")
     return "\n".join(lines)

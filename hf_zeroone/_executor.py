@@ -106,6 +106,8 @@ class _SerialExecutor:
                 fut.set_exception(self.refusal())
                 continue
             self._execute(job, fut, device, ready, tensors)
+            # Not kept until the next job arrives: the finished job's inputs (a message) and result.
+            item = job = fut = device = ready = tensors = None
 
     def _execute(
         self, job: Callable[[], Any], fut: torch.futures.Future, device: torch.device | None, ready: Any, tensors: Any

@@ -347,7 +347,7 @@ class Communicator:
         self.stats.collectives += 2
         self.stats.compressed_allreduces += 1
         coll, rank = self._coll, self.rank
-        inputs = (buffer, worker_error, server_error, layout.mask, layout.segment_counts)
+        inputs = (buffer, worker_error, server_error, *layout.tensors())
         return self._submit(
             lambda: _compressed_allreduce(coll, rank, p, buffer, worker_error, server_error, layout), inputs
         )

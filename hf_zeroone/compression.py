@@ -27,7 +27,9 @@ arithmetic; on other devices the same results come from vectorised torch code.
 The layout also carries a 0/1 *mask* that is zero on the padding and on any element the caller
 wants kept out of compression (for example momentum that is always exactly zero). Masked
 elements take no part in a scale, never build up error, and decompress to exactly zero (the
-caller zeroes them, see :mod:`hf_zeroone.comm`).
+caller zeroes them, see :mod:`hf_zeroone.comm`). A layout whose only masked elements are the
+padding stores no mask (four bytes per element saved): :attr:`ChunkLayout.mask` then builds one
+when asked, and callers zero the padding tail instead.
 """
 
 from __future__ import annotations
@@ -192,8 +194,8 @@ class ChunkLayout:
         bounds: ``world_size * S + 1`` nondecreasing offsets into the padded vector: segment
             ``i`` is ``[bounds[i], bounds[i + 1])``, and ``bounds[k * S] == k * chunk``.
         segment_counts: float, ``world_size * S`` long: unmasked elements per segment.
-        mask: float, ``padded`` long: 1 where an element takes part in compression, 0 on padding
-            and on caller-masked elements.
+        stored_mask: the float mask (see :attr:`mask`) when caller-masked elements exist,
+            ``None`` when only the padding is masked (nothing stored).
         fully_unmasked: ``True`` when only padding is masked.
     """
 
@@ -203,8 +205,22 @@ class ChunkLayout:
     segments_per_chunk: int
     bounds: tuple[int, ...]
     segment_counts: Tensor
-    mask: Tensor
+    stored_mask: Tensor | None
     fully_unmasked: bool
+
+    @property
+    def mask(self) -> Tensor:
+        """float, ``padded`` long: 1 where an element takes part in compression, 0 on padding and
+        on caller-masked elements. Built anew on each access when the layout is fully unmasked."""
+        if self.stored_mask is not None:
+            return self.stored_mask
+        mask = torch.zeros(self.padded, dtype=torch.float32, device=self.segment_counts.device)
+        mask[: self.numel] = 1.0
+        return mask
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The tensors this layout holds (``segment_counts``, and the mask when stored)."""
+        return (self.segment_counts,) if self.stored_mask is None else (self.segment_counts, self.stored_mask)
 
     @property
     def padded(self) -> int:
@@ -244,19 +260,17 @@ class ChunkLayout:
         """
         padded = padded_length(numel, world_size)
         chunk = padded // world_size
-        mask = torch.zeros(padded, dtype=torch.float32, device=device)
-        if element_mask is None:
-            mask[:numel] = 1.0
-            fully_unmasked = True
-        else:
+        mask = None
+        if element_mask is not None:
             flat = element_mask.reshape(-1)
             if flat.numel() != numel:
                 raise ValueError(f"element_mask has {flat.numel()} elements, expected {numel}")
-            mask[:numel] = flat.to(device=device, dtype=torch.float32)
-            fully_unmasked = bool((flat != 0).all())
+            if not bool((flat != 0).all()):
+                mask = torch.zeros(padded, dtype=torch.float32, device=device)
+                mask[:numel] = flat.to(device=device, dtype=torch.float32)
         if padded == 0:
             bounds = (0,) * (world_size + 1)
-            return cls(numel, world_size, 0, 1, bounds, torch.zeros(world_size, device=device), mask, True)
+            return cls(numel, world_size, 0, 1, bounds, torch.zeros(world_size, device=device), None, True)
         cuts = {int(o) for o in segment_starts if 0 < o < numel}
         per_chunk = [sorted({o for o in cuts if o // chunk == k} | {k * chunk}) for k in range(world_size)]
         s_max = max(len(starts) for starts in per_chunk)
@@ -264,8 +278,11 @@ class ChunkLayout:
         for k, starts in enumerate(per_chunk):
             bounds += starts + [(k + 1) * chunk] * (s_max - len(starts))
         bounds.append(padded)
-        # unmasked elements per segment: differences of the running mask count at the bounds
-        running = torch.cat([mask.new_zeros(1), mask.cumsum(0, dtype=torch.float64)])
-        at = running[torch.tensor(bounds, device=device)]
-        counts = (at[1:] - at[:-1]).to(torch.float32)
-        return cls(numel, world_size, chunk, s_max, tuple(bounds), counts, mask, fully_unmasked)
+        # unmasked elements per segment, counted exactly (then rounded once to float32)
+        pairs = list(zip(bounds[:-1], bounds[1:]))
+        if mask is None:
+            counts = torch.tensor([max(0, min(b, numel) - a) for a, b in pairs], dtype=torch.float64)
+        else:
+            counts = torch.stack([mask[a:b].sum(dtype=torch.float64) for a, b in pairs])
+        counts = counts.to(device=device, dtype=torch.float32)
+        return cls(numel, world_size, chunk, s_max, tuple(bounds), counts, mask, mask is None)

@@ -156,5 +156,14 @@ def test_layout_with_element_mask():
     layout = ChunkLayout.from_mask(10, 2, keep)
     assert layout.padded == 16 and not layout.fully_unmasked
     assert layout.segment_counts.tolist() == [6.0, 2.0]
+    assert layout.stored_mask is layout.mask and layout.mask.tolist() == keep.float().tolist() + [0.0] * 6
+    # a mask that keeps everything is no mask: nothing stored, the padding alone is masked
+    everything = ChunkLayout.from_mask(10, 2, torch.ones(10, dtype=torch.bool))
+    assert (
+        everything.fully_unmasked
+        and everything.stored_mask is None
+        and everything.tensors() == (everything.segment_counts,)
+    )
+    assert everything.mask.tolist() == [1.0] * 10 + [0.0] * 6
     with pytest.raises(ValueError, match="element_mask has 3 elements"):
         ChunkLayout.from_mask(10, 2, torch.ones(3, dtype=torch.bool))

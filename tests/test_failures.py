@@ -103,7 +103,8 @@ def _non_finite_sync(rank, world):
     synced = p.detach().clone()
     assert opt.next_step_kind() is StepKind.ONEBIT_SYNC
     if rank == 1:
-        opt.state[p]["update_accumulator"][7] = float("inf")
+        with torch.no_grad():
+            p[7] = float("inf")  # an overflowing local update (u is derived from p and the synced parameters)
     p.grad = torch.randn(40, generator=g)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

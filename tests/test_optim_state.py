@@ -91,7 +91,8 @@ def test_a_non_finite_sync_is_discarded_and_leaves_finite_parameters():
     _run(p, opt, 6)
     synced = p.detach().clone()
     assert opt.next_step_kind() is StepKind.ONEBIT_SYNC
-    opt.state[p]["update_accumulator"][3] = float("inf")  # an overflowing local update
+    with torch.no_grad():
+        p[3] = float("inf")  # an overflowing local update (u is derived from p and the synced parameters)
     p.grad = torch.ones(8)
     with pytest.warns(RuntimeWarning, match="discarded on all ranks"):
         opt.step()
@@ -166,3 +167,47 @@ def test_zeroone_adam_takes_local_steps_in_runs_shorter_than_deepspeeds_scaler()
     assert opt.local_step_scaler == 10
     kinds = _kinds(opt, p, lambda s: 1.0, 200)
     assert kinds[150:].count(StepKind.LOCAL) > 40  # the sync gap reached 16 well before the end
+
+
+def test_a_sync_in_one_process_leaves_the_parameters_where_the_local_steps_did():
+    """u is the displacement since the last sync, decoupled weight decay included (derived, not accumulated).
+
+    With nothing to compress, p = decay_prod * sync_param - u must give back the parameters of the
+    last local step; accumulating the Adam updates alone missed the decay of the later steps.
+    """
+    moves = []
+
+    class Probe(ZeroOneAdam):
+        def _apply_sync(self, group, p, combined_u, kind):
+            before = p.detach().clone()
+            super()._apply_sync(group, p, combined_u, kind)
+            moves.append((p.detach() - before).abs().max().item())
+
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 64))
+    opt = Probe([p], lr=1e-2, weight_decay=0.1, var_freeze_step=4, local_step_scaler=1, local_step_clipper=8)
+    _run(p, opt, 40)
+    assert len(moves) >= 5 and opt.schedule["local_step_interval"] == 8  # syncs with gaps up to 8
+    assert max(moves) <= 1.2e-7, moves  # rounding only (one ulp at |p| = 1)
+    assert "update_accumulator" not in opt.state[p]  # fp32: nothing accumulated
+
+
+def test_a_bf16_parameter_keeps_accumulating_u():
+    p = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    opt = _zeroone([p])
+    for _ in range(7):
+        p.grad = torch.linspace(-1, 1, 8, dtype=torch.bfloat16)
+        opt.step()
+    assert opt.last_step_kind is StepKind.LOCAL
+    assert opt.state[p]["update_accumulator"].dtype == torch.bfloat16  # its rounding would lose small steps
+
+
+def test_a_server_error_that_does_not_fit_the_parameter_is_refused():
+    p = torch.nn.Parameter(torch.ones(6))
+    opt = OneBitAdam([p], freeze_step=1)
+    p.grad = torch.ones(6)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["server_error"] = torch.zeros(4)
+    sd["state"][0]["server_error_start"] = 3
+    with pytest.raises(ValueError, match="server_error for a parameter of shape \\(6,\\) covers elements 3 to 7"):
+        OneBitAdam([p], freeze_step=1).load_state_dict(sd)

@@ -1,7 +1,16 @@
 """Communication-compressed Adam optimizers."""
 
 from hf_zeroone.optim._base import CompressedAdamBase, StepKind
+from hf_zeroone.optim._memory import bytes_per_parameter, documented_bytes_per_param, state_bytes
 from hf_zeroone.optim.onebit_adam import OneBitAdam
 from hf_zeroone.optim.zeroone_adam import ZeroOneAdam
 
-__all__ = ["CompressedAdamBase", "OneBitAdam", "StepKind", "ZeroOneAdam"]
+__all__ = [
+    "CompressedAdamBase",
+    "OneBitAdam",
+    "StepKind",
+    "ZeroOneAdam",
+    "bytes_per_parameter",
+    "documented_bytes_per_param",
+    "state_bytes",
+]

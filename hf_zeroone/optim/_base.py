@@ -42,12 +42,12 @@ once.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import os
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,8 +57,16 @@ from torch.optim import Optimizer
 
 from hf_zeroone._tensors import all_finite
 from hf_zeroone.comm import CommStats, Communicator
-from hf_zeroone.compression import ChunkLayout
-from hf_zeroone.optim import _grad_scale, _masks
+from hf_zeroone.optim import _grad_scale, _masks, _memory
+from hf_zeroone.optim._flat import (
+    ERROR_STATE,
+    FlatBuffers,
+    build_flat_buffers,
+    consecutive_views,
+    refresh_layout,
+    restore_errors,
+    split_in_buckets,
+)
 
 __all__ = ["CompressedAdamBase", "FlatBuffers", "StepKind"]
 
@@ -69,7 +77,7 @@ _SPIKE_CLIP = 0.1
 #: state entries kept in float32 whatever the parameter's dtype (error feedback)
 _FP32_STATE = ("worker_error", "server_error")
 #: state entries restored as float32 by load_state_dict (torch would cast them to the parameter's dtype)
-_FP32_ON_LOAD = _FP32_STATE + _grad_scale.STATE_KEYS
+_FP32_ON_LOAD = ERROR_STATE + _grad_scale.STATE_KEYS
 
 
 def _kept(ratio: Tensor) -> Tensor:
@@ -126,30 +134,6 @@ class StepKind(enum.Enum):
         return self in (StepKind.EXACT, StepKind.ONEBIT_GRADIENT)
 
 
-@dataclass
-class FlatBuffers:
-    """Flat fp32 buffers for one ordered list of parameters (all of them, or one DDP bucket).
-
-    ``worker_error`` and ``server_error_full`` are the storage behind the per-parameter state
-    entries ``"worker_error"`` / ``"server_error"`` (those are views into them), so the state
-    stays per parameter (checkpoints do not depend on DDP's buckets) while communication works on
-    flat memory. ``server_error`` is this rank's chunk of ``server_error_full``.
-    """
-
-    params: tuple[Tensor, ...]
-    offsets: tuple[int, ...]
-    layout: ChunkLayout
-    message: Tensor
-    worker_error: Tensor
-    server_error_full: Tensor
-    server_error: Tensor
-    worker_error_views: tuple[Tensor, ...]
-
-    def views(self, flat: Tensor) -> list[Tensor]:
-        """Slices of ``flat`` shaped like each parameter."""
-        return [flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
-
-
 def _check_fraction(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
         raise ValueError(f"{name} must be in [0, 1), got {value!r}")
@@ -202,6 +186,10 @@ class CompressedAdamBase(Optimizer):
 
     #: the hyper-parameters that define the schedule (stored in ``state_dict``); set by subclasses
     schedule_params: tuple[str, ...] = ()
+    #: when ``step()`` communicates (no DDP hook ran, and every sync of 0/1 Adam), parameters go in
+    #: buckets of at most this many elements, one message at a time: 25 MiB of fp32, DDP's default
+    #: bucket size. Bounds the transient memory of a step; a larger parameter gets a bucket of its own.
+    step_bucket_numel: int = 25 * 2**20 // 4
 
     def __init__(
         self,
@@ -361,7 +349,7 @@ class CompressedAdamBase(Optimizer):
             return
         state = self.state[p]
         if kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
-            out.copy_(state["update_accumulator"])
+            self._displacement(p, out)
             return
         beta1 = group["betas"][0]
         g = self._l2_gradient(group, p, grad)
@@ -452,7 +440,8 @@ class CompressedAdamBase(Optimizer):
         denom = self._denominator(group, p, kind, c2)
         p.addcdiv_(exp_avg, denom, value=-lr / c1)
         if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
-            state["update_accumulator"].addcdiv_(exp_avg, denom, value=lr / c1)
+            if "update_accumulator" in state:  # low-precision parameters, see _displacement
+                state["update_accumulator"].addcdiv_(exp_avg, denom, value=lr / c1)
             state["lr_sum"] += lr
             state["decay_prod"] *= decay
 
@@ -513,6 +502,28 @@ class CompressedAdamBase(Optimizer):
                 variance_step=kind is StepKind.EXACT,
             )
 
+    @staticmethod
+    def _accumulates_displacement(p: Tensor) -> bool:
+        """Whether ``p`` keeps 0/1 Adam's ``u`` in a buffer instead of deriving it (see :meth:`_displacement`)."""
+        return p.dtype not in (torch.float32, torch.float64)
+
+    def _displacement(self, p: Tensor, out: Tensor) -> None:
+        """0/1 Adam's ``u`` for ``p`` into ``out`` (fp32): what the local steps since the last sync moved it.
+
+        Derived as ``u = decay_prod * sync_param - p`` (no buffer held): a sync then sets
+        ``p = decay_prod * sync_param - u_avg``, which without compression is exactly where the
+        local steps left ``p``. A parameter below fp32 (bf16, fp16) accumulates ``u`` in a buffer
+        instead, since each local step's rounding of ``p`` to its own precision would drop updates
+        the accumulator keeps.
+        """
+        state = self.state[p]
+        if "update_accumulator" in state:
+            out.copy_(state["update_accumulator"])
+        elif p.dtype == out.dtype:
+            torch.mul(state["sync_param"], state["decay_prod"], out=out).sub_(p)
+        else:
+            out.copy_(state["sync_param"].mul(state["decay_prod"]).sub_(p))
+
     def _apply_sync(self, group: dict[str, Any], p: Tensor, combined_u: Tensor, kind: StepKind) -> None:
         """Back to the last synced parameters, then the averaged accumulated update (in parameter space)."""
         state = self.state[p]
@@ -522,7 +533,11 @@ class CompressedAdamBase(Optimizer):
         if state["lr_sum"] > 0:
             denom = self._denominator(group, p, kind, c2)
             state["exp_avg"].copy_(combined_u).mul_(denom).mul_(c1 / state["lr_sum"])
-        state["update_accumulator"].zero_()
+        if "update_accumulator" in state:
+            if self._accumulates_displacement(p):
+                state["update_accumulator"].zero_()
+            else:  # derived from now on (a checkpoint of an earlier version brought one)
+                del state["update_accumulator"]
         state["sync_param"].copy_(p)
         state["lr_sum"], state["decay_prod"] = 0.0, 1.0
 
@@ -531,7 +546,8 @@ class CompressedAdamBase(Optimizer):
         state = self.state[p]
         p.copy_(state["sync_param"])
         state["exp_avg"].zero_()
-        state["update_accumulator"].zero_()
+        if "update_accumulator" in state:
+            state["update_accumulator"].zero_()
         state["lr_sum"], state["decay_prod"] = 0.0, 1.0
 
     # ------------------------------------------------------------------ preparation
@@ -599,6 +615,7 @@ class CompressedAdamBase(Optimizer):
                 _masks.scatter_flags(s, f) for (_, _, s), f in zip(masked, agreed.split([len(f) for f in flags]))
             ]
         everywhere = None  # mean known variance over all tensors, computed only if needed
+        changed: set[int] = set()
         for (group, p, state), rows in zip(masked, released):
             _masks.clear_activity(state)
             if not bool(rows.any()):
@@ -615,14 +632,20 @@ class CompressedAdamBase(Optimizer):
             user = group.get("exp_avg_mask")
             user_mask = None if user is None else torch.broadcast_to(user.to(p.device) != 0, p.shape)
             _masks.release_rows(state, rows, user_mask, total / count)
-            self._flat_cache.clear()
+            changed.add(id(p))
+        for entry in self._flat_cache.values():  # same positions, new masks: the buffers stay
+            if changed.intersection(map(id, entry.params)):
+                refresh_layout(entry, lambda q: self.state[q])
 
     def _start_local_phase(self) -> None:
         """Entering local steps: remember the synced parameters, reset u and the error buffers."""
         for _, p in self.trainable_params():
             state = self.state[p]
             state["sync_param"] = p.detach().clone()
-            state["update_accumulator"] = torch.zeros_like(p)
+            if self._accumulates_displacement(p):
+                state["update_accumulator"] = torch.zeros_like(p)
+            else:
+                state.pop("update_accumulator", None)
             state["lr_sum"], state["decay_prod"] = 0.0, 1.0
             # The errors so far belong to compressed gradients, not to u (as DeepSpeed does).
             for key in ("worker_error", "server_error"):
@@ -632,10 +655,11 @@ class CompressedAdamBase(Optimizer):
 
     # ------------------------------------------------------------------ flat buffers
     def flat_buffers(self, params: Sequence[Tensor]) -> FlatBuffers:
-        """Flat message and error buffers for ``params`` in this order (cached per order).
+        """Flat error buffers for ``params`` in this order (cached per order; see :mod:`._flat`).
 
         The first call for an order (e.g. after DDP rebuilt its buckets) moves each parameter's
-        error state into new flat storage and makes the state entries views of it.
+        error state into new flat storage, makes the state entries views of it, and frees the
+        cached buffers of any other order that shares a parameter with it.
         """
         key = tuple(id(p) for p in params)
         entry = self._flat_cache.get(key)
@@ -643,50 +667,18 @@ class CompressedAdamBase(Optimizer):
             self.state[p].get("worker_error") is view for p, view in zip(entry.params, entry.worker_error_views)
         ):
             return entry
-        device = params[0].device
-        offsets, total = [], 0
-        for p in params:
-            if p.device != device:
-                raise ValueError(
-                    f"{type(self).__name__} needs all parameters communicated together on one device; "
-                    f"found {p.device} and {device}"
-                )
-            offsets.append(total)
-            total += p.numel()
-        masks = [self.state[p].get("momentum_mask") for p in params]
-        element_mask = None
-        if any(m is not None for m in masks):
-            element_mask = torch.cat(
-                [
-                    (m.to(device).reshape(-1) != 0)
-                    if m is not None
-                    else torch.ones(p.numel(), dtype=torch.bool, device=device)
-                    for m, p in zip(masks, params)
-                ]
-            )
-        layout = ChunkLayout.from_mask(total, self.comm.world_size, element_mask, device, segment_starts=offsets)
-        worker = torch.zeros(layout.padded, dtype=torch.float32, device=device)
-        server = torch.zeros(layout.padded, dtype=torch.float32, device=device)
-        for p, o in zip(params, offsets):
-            state = self.state[p]
-            for name, flat in (("worker_error", worker), ("server_error", server)):
-                view = flat[o : o + p.numel()].view_as(p)
-                if name in state:
-                    view.copy_(state[name])
-                state[name] = view
-        c, r = layout.chunk, self.comm.rank
-        entry = FlatBuffers(
-            params=tuple(params),
-            offsets=tuple(offsets),
-            layout=layout,
-            message=torch.zeros(layout.padded, dtype=torch.float32, device=device),
-            worker_error=worker,
-            server_error_full=server,
-            server_error=server[r * c : (r + 1) * c],
-            worker_error_views=tuple(self.state[p]["worker_error"] for p in params),
+        ids = set(key)
+        for other in [k for k in self._flat_cache if ids.intersection(k)]:
+            del self._flat_cache[other]  # its storage backs no state once the new entry is built
+        entry = build_flat_buffers(
+            params, lambda p: self.state[p], self.comm.world_size, self.comm.rank, type(self).__name__
         )
         self._flat_cache[key] = entry
         return entry
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of tensor storage this optimizer holds, by role (see :func:`._memory.state_bytes`)."""
+        return _memory.state_bytes(self)
 
     # ------------------------------------------------------------------ the step
     def _exchange(self, kind: StepKind) -> list[tuple[dict[str, Any], Tensor, Tensor]]:
@@ -712,26 +704,25 @@ class CompressedAdamBase(Optimizer):
                 used = [p for _, p, _ in results]
                 self.record_grad_sq(used, self.scale_samples(used, [p.grad for p in used]))
             return results
-        if kind.compressed:
-            flat = self.flat_buffers(params)
-            message, views = flat.message, flat.views
-            message.zero_()
-        else:
-            message = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
-            offsets = [0]
-            for p in params[:-1]:
-                offsets.append(offsets[-1] + p.numel())
-
-            def views(t: Tensor) -> list[Tensor]:
-                return [t[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets)]
-
-        for (group, p), view in zip(pairs, views(message)):
-            self.write_message(group, p, p.grad, kind, view)
-        if kind.compressed:
-            combined = self.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout)
-        else:
-            combined = self.comm.allreduce_mean(message)
-        results = [(group, p, view) for (group, p), view in zip(pairs, views(combined))]
+        results: list[tuple[dict[str, Any], Tensor, Tensor]] = []
+        for bucket in split_in_buckets(pairs, self.step_bucket_numel):  # one bucket's message at a time
+            bucket_params = [p for _, p in bucket]
+            if kind.compressed:
+                flat = self.flat_buffers(bucket_params)
+                message, views = flat.new_message(), flat.views
+                message[flat.layout.numel :].zero_()
+            else:
+                numel = sum(p.numel() for p in bucket_params)
+                message = torch.empty(numel, dtype=torch.float32, device=params[0].device)
+                views = functools.partial(consecutive_views, bucket_params)
+            for (group, p), view in zip(bucket, views(message)):
+                self.write_message(group, p, p.grad, kind, view)
+            if kind.compressed:
+                combined = self.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout)
+            else:
+                combined = self.comm.allreduce_mean(message)
+            del message  # the compressed allreduce's scratch: freed before the next bucket
+            results += [(group, p, view) for (group, p), view in zip(bucket, views(combined))]
         grads = [p.grad for p in params]
         if kind is StepKind.EXACT and self.follow_gradient_scale:
             self.record_grad_sq(params, self.comm.allreduce_mean(self.scale_samples(params, grads)))
@@ -747,7 +738,8 @@ class CompressedAdamBase(Optimizer):
             for group, p, view in results:
                 self.implied_gradient(group, p, view)
             self.norm_proxy(params, [v for _, _, v in results], mean_sq)  # as the hook does, so that
-            results = [(g, p, self._undo_norm_proxy(p, v)) for g, p, v in results]  # both paths agree
+            # back into the combined buffer: one parameter's worth of scratch at a time
+            results = [(g, p, v.copy_(self._undo_norm_proxy(p, v))) for g, p, v in results]  # both agree
         return results
 
     def _undo_norm_proxy(self, p: Tensor, value: Tensor) -> Tensor:
@@ -887,8 +879,10 @@ class CompressedAdamBase(Optimizer):
         """Torch's optimizer state plus the schedule counters and this rank's identity.
 
         Per-parameter state includes this rank's error buffers; save one file per rank to keep
-        them (they differ between ranks). Everything is plain tensors, numbers and strings, so it
-        loads with ``torch.load(..., weights_only=True)``.
+        them (they differ between ranks): ``worker_error`` shaped like the parameter, and
+        ``server_error``, one-dimensional, only the elements this rank serves, which start at
+        element ``server_error_start`` of the flattened parameter (see :mod:`._flat`). Everything is
+        plain tensors, numbers and strings, so it loads with ``torch.load(..., weights_only=True)``.
         """
         sd = super().state_dict()
         sd[_STATE_KEY] = {
@@ -909,7 +903,10 @@ class CompressedAdamBase(Optimizer):
         self._deferred_state = state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`; error buffers from another world size or rank are reset."""
+        """Load a :meth:`state_dict`; error buffers from another world size or rank are reset.
+
+        Checkpoints of earlier versions, whose ``server_error`` entries are full-size, load too.
+        """
         deferred, self._deferred_state = getattr(self, "_deferred_state", None), None
         state_dict = dict(deferred if deferred is not None else state_dict)
         extra = state_dict.pop(_STATE_KEY, None)
@@ -943,8 +940,7 @@ class CompressedAdamBase(Optimizer):
                 stacklevel=2,
             )
             state_dict["state"] = {
-                k: {n: v for n, v in s.items() if n not in ("worker_error", "server_error")}
-                for k, s in state_dict["state"].items()
+                k: {n: v for n, v in s.items() if n not in ERROR_STATE} for k, s in state_dict["state"].items()
             }
         if any("momentum_accumulator" in s for s in state_dict["state"].values()):
             raise ValueError(
@@ -954,7 +950,10 @@ class CompressedAdamBase(Optimizer):
             )
         # torch casts every floating-point state tensor to its parameter's dtype; the error buffers
         # stay float32 (a bf16 model keeps fp32 error feedback), so they are restored here.
-        errors = {k: {n: v for n, v in s.items() if n in _FP32_ON_LOAD} for k, s in state_dict["state"].items()}
+        errors = {k: {n: v for n, v in s.items() if n in ERROR_STATE} for k, s in state_dict["state"].items()}
+        scales = {
+            k: {n: v for n, v in s.items() if n in _grad_scale.STATE_KEYS} for k, s in state_dict["state"].items()
+        }
         state_dict["state"] = {
             k: {n: v for n, v in s.items() if n not in _FP32_ON_LOAD} for k, s in state_dict["state"].items()
         }
@@ -962,7 +961,8 @@ class CompressedAdamBase(Optimizer):
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for saved_id, p in zip(saved_ids, params):
-            for name, value in errors.get(saved_id, {}).items():
+            restore_errors(self.state[p], p, errors.get(saved_id, {}))
+            for name, value in scales.get(saved_id, {}).items():
                 self.state[p][name] = value.to(device=p.device, dtype=torch.float32, copy=True)
         for state in self.state.values():
             for name in ("momentum_mask", "pending_rows"):  # booleans, cast to the parameter's dtype by torch

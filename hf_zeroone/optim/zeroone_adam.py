@@ -35,20 +35,24 @@ class ZeroOneAdam(CompressedAdamBase):
     steps (:attr:`StepKind.LOCAL`, nothing sent). With :math:`d = \sqrt{v/c_2}+\epsilon` (fixed
     in this phase):
     :math:`m \leftarrow \beta_1 m + (1-\beta_1) g_{i,t}`,
-    :math:`p \leftarrow p - \text{lr}_t \frac{m/c_1}{d}`, and
-    :math:`u \leftarrow u + \text{lr}_t \frac{m/c_1}{d}`: ``u`` is the displacement since the last
-    sync. On the steps of :math:`T_u` (:attr:`StepKind.ONEBIT_SYNC`) ranks average ``u`` with
-    :math:`\mathcal{C}`, every replica goes back to the parameters of the last sync :math:`p_s` and
+    :math:`p \leftarrow (1 - \text{lr}_t\,\text{wd})\, p - \text{lr}_t \frac{m/c_1}{d}`.
+    On the steps of :math:`T_u` (:attr:`StepKind.ONEBIT_SYNC`) ranks average the displacement of
+    their local steps since the last sync, :math:`u_i = \delta\, p_s - p_i`, with
+    :math:`\mathcal{C}`; every replica goes back to the parameters of the last sync :math:`p_s` and
     applies the average,
 
     .. math::
 
         \bar u = \mathcal{C}[u_i], \quad p = \delta\, p_s - \bar u, \quad
-        m = c_1 \frac{d \, \bar u}{\sum \text{lr}}, \quad u = 0,
+        m = c_1 \frac{d \, \bar u}{\sum \text{lr}},
 
     where :math:`\delta` is the product of the decoupled weight-decay factors
     :math:`1 - \text{lr}_t\,\text{wd}` over the interval. :math:`p_s` is stored (one copy of the
-    parameters) so every replica holds bit-identical parameters after each sync.
+    parameters) so every replica holds bit-identical parameters after each sync; ``u`` is derived
+    from it and ``p`` when the sync comes, not held (a bf16 or fp16 parameter accumulates
+    :math:`\sum \text{lr}_t \frac{m/c_1}{d}` in a buffer instead: rounding ``p`` to its precision
+    at every local step would lose what the buffer keeps). Without compression the sync leaves
+    ``p`` where the local steps put it.
     :math:`T_u`: the gap between syncs starts at 1 and doubles every ``local_step_scaler`` steps,
     up to ``local_step_clipper``. The error buffers are reset when phase 2 starts (they held
     gradient errors, and now hold errors of ``u``), as DeepSpeed does.

@@ -124,7 +124,7 @@ class SuiteArguments:
 
 QUICK = dict(clm_steps=24, mlm_steps=24, lm_batch_size=4, lm_seq_len=32, lm_hidden_size=32, lm_eval_sequences=16,
              corpus_chars=150_000, vocab_size=512, finetune_epochs=1.0, finetune_per_class=12,
-             finetune_max_length=32, lsq_steps=64, lsq_freeze_step=20, timeout=300)  # fmt: skip
+             finetune_max_length=32, lsq_steps=64, lsq_freeze_step=20, lsq_weight_std=0.1, timeout=300)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ data

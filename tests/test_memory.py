@@ -1,9 +1,16 @@
 """Memory per parameter: what the optimizers hold between steps stays within the documented figures."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from _dist import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+from bench_memory import make_optimizer as _optimizer  # noqa: E402 - the recipe's schedule, measured here too
+from bench_memory import phase_of as _phase  # noqa: E402
 
 # Padding to whole bytes per chunk and per-layout bookkeeping (segment scales' counts): a few
 # hundred bytes per bucket, well under this on the models below.
@@ -15,33 +22,6 @@ def _model():
     return torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64)
     )
-
-
-def _optimizer(name, params):
-    from hf_zeroone import OneBitAdam, ZeroOneAdam
-
-    if name == "OneBitAdam":
-        return OneBitAdam(params, lr=1e-3, weight_decay=0.01, freeze_step=3)
-    return ZeroOneAdam(
-        params,
-        lr=1e-3,
-        weight_decay=0.01,
-        var_freeze_step=8,
-        var_update_scaler=1,
-        local_step_scaler=2,
-        local_step_clipper=4,
-        exact_warmup_steps=2,
-    )
-
-
-def _phase(name, kind, compressed_before):
-    from hf_zeroone import StepKind
-
-    if name == "OneBitAdam":
-        return "warm-up (exact)" if kind is StepKind.EXACT else "compression (1-bit momentum)"
-    if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
-        return "phase 2 (local steps, 1-bit syncs)"
-    return "phase 1 (1-bit gradients)" if compressed_before else "phase 1, exact steps only"
 
 
 def _measure(rank, world, name, path, bucket_cap_mb=25.0):

@@ -44,6 +44,7 @@ import contextlib
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -53,6 +54,22 @@ import torch.distributed as dist
 from torch import Tensor
 
 _Job = tuple[Callable[[], Any], torch.futures.Future, "torch.device | None", Any, tuple[Tensor, ...]]
+
+#: every executor whose worker thread may still run (its thread keeps it alive until it ends)
+_RUNNING_EXECUTORS: weakref.WeakSet[_SerialExecutor] = weakref.WeakSet()
+
+
+def stop_all_workers(timeout: float) -> None:
+    """Stop every worker thread and wait up to ``timeout`` seconds for each (called at interpreter exit).
+
+    A worker of a communicator that was already garbage-collected is still running (idle) and may
+    drop the last reference to a process group; a gloo group destroyed on a daemon thread while
+    the interpreter finalises aborts the process ("terminate called without an active exception").
+    Joining every worker before finalisation leaves no Python code running on those threads.
+    """
+    for executor in list(_RUNNING_EXECUTORS):
+        if executor._thread.is_alive():  # a worker told to stop may not have finished its last job
+            executor.shutdown(timeout=timeout)
 
 
 def _cuda_device(tensors: Sequence[Tensor]) -> torch.device | None:
@@ -74,6 +91,7 @@ class _SerialExecutor:
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _RUNNING_EXECUTORS.add(self)
 
     def refusal(self) -> RuntimeError:
         """The error every job gets once a job has failed."""

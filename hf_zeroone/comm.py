@@ -57,6 +57,7 @@ from hf_zeroone._executor import (
     _LoopbackCollectives,
     _SerialExecutor,
     collective_device,
+    stop_all_workers,
 )
 from hf_zeroone.compression import ChunkLayout, compression_error, decompress, pack_signs, segment_scales
 
@@ -152,6 +153,12 @@ _LIVE_COMMUNICATORS: weakref.WeakSet[Communicator] = weakref.WeakSet()
 def _close_communicators_at_exit() -> None:
     for comm in list(_LIVE_COMMUNICATORS):
         comm.close()
+    stop_all_workers(timeout=10.0)  # the workers of communicators that were garbage-collected
+
+
+def _stop_worker_when_collected(comm: Communicator, executor: _SerialExecutor) -> None:
+    """Stop ``executor``'s thread once ``comm`` is garbage-collected (a dropped optimizer leaks no thread)."""
+    weakref.finalize(comm, executor.shutdown).atexit = False  # at exit the handler above stops it
 
 
 class Communicator:
@@ -196,6 +203,7 @@ class Communicator:
             group = process_group if process_group is not None else dist.group.WORLD
             self._coll = _Collectives(group, raw=False, backend=str(dist.get_backend(group)))
         self._executor = _SerialExecutor(f"hf_zeroone-comm-rank{self.rank}")
+        _stop_worker_when_collected(self, self._executor)
         _LIVE_COMMUNICATORS.add(self)
 
     @classmethod
@@ -219,7 +227,8 @@ class Communicator:
         comm.world_size, comm.rank = world_size, rank
         comm._coll = _LoopbackCollectives(rank)
         comm._executor = _SerialExecutor(f"hf_zeroone-loopback-rank{rank}") if threaded else None
-        if threaded:
+        if comm._executor is not None:
+            _stop_worker_when_collected(comm, comm._executor)
             _LIVE_COMMUNICATORS.add(comm)
         return comm
 

@@ -294,3 +294,43 @@ def test_stats_arithmetic():
     assert (b - a).bytes_sent == 5 and (a + a).collectives == 4
     assert a.compression_ratio == 32.0
     assert math.isinf(CommStats().compression_ratio)
+
+
+def _worker_threads_after_drop(rank, world):
+    import gc
+    import threading
+
+    import torch
+
+    from hf_zeroone.comm import Communicator, _close_communicators_at_exit
+
+    def workers():
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("hf_zeroone-"))
+
+    out = {}
+    dropped = Communicator()
+    dropped.allreduce_mean_async(torch.ones(3)).wait()
+    cycle = [dropped]
+    cycle.append(cycle)  # dropped inside a reference cycle, as an optimizer often is
+    del dropped, cycle
+    gc.collect()
+    for t in threading.enumerate():
+        if t.name.startswith("hf_zeroone-"):
+            t.join(10.0)
+    out["after_gc"] = workers()
+    kept = Communicator()
+    kept.allreduce_mean_async(torch.ones(3)).wait()
+    out["while_kept"] = workers()
+    _close_communicators_at_exit()  # what runs at interpreter exit
+    out["after_exit_handler"] = workers()
+    return out
+
+
+def test_no_worker_thread_outlives_its_communicator_or_the_exit_handler():
+    # A worker left running at interpreter exit can drop the last reference to a gloo group while
+    # the interpreter finalises, which aborts the process (SIGABRT, "terminate called without an
+    # active exception"): seen under `accelerate launch` once the optimizer was garbage-collected.
+    for out in run_ranks(_worker_threads_after_drop, 2):
+        assert out["after_gc"] == []
+        assert len(out["while_kept"]) == 1
+        assert out["after_exit_handler"] == []

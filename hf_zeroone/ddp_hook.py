@@ -123,6 +123,7 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     message[n:].zero_()
     for p, g, view in zip(params, grads, flat.views(message)):
         opt.write_message(opt.group_of(p), p, g, kind, view)
+        opt.to_update_units(opt.group_of(p), p, kind, view)
     fut = opt.comm.compressed_allreduce_async(message, flat.worker_error, flat.server_error, flat.layout)
     norms = None
     if kind is StepKind.ONEBIT_MOMENTUM:
@@ -144,12 +145,15 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
             combined, floats = fut.wait(), f.wait()
             views = flat.views(combined)
             for p, view in zip(params, views):
+                opt.from_update_units(opt.group_of(p), p, kind, view)
                 opt.implied_gradient(opt.group_of(p), p, view)
             opt.norm_proxy(params, views, floats[: len(params)])
             if opt.follow_gradient_scale:
                 opt.record_grad_sq(params, floats[len(params) :])
         else:
             combined = f.wait()
+            for p, view in zip(params, flat.views(combined)):
+                opt.from_update_units(opt.group_of(p), p, kind, view)
         result = combined[:n]
         if scale is not None:  # scaled again: the GradScaler unscales p.grad before step()
             result = result.mul(scale.to(device=result.device, dtype=result.dtype))

@@ -359,6 +359,29 @@ class CompressedAdamBase(Optimizer):
         else:
             out.copy_(m).lerp_(g.to(out.dtype), 1.0 - beta1)
 
+    def compression_weight(self, group: dict[str, Any], p: Tensor) -> Tensor:
+        """``sqrt(v) + eps`` in float32: 1-bit messages are compressed in units of Adam's update.
+
+        A gradient or momentum message is divided by it before compression and the combined
+        result multiplied by it after (:meth:`to_update_units`, :meth:`from_update_units`). One
+        sign and one scale per segment then cost every element an error of the size of its own
+        update, instead of an error of the size of the segment's largest gradients, which an
+        element with a tiny variance (an attention key bias, whose exact gradient is zero) turns
+        into a step of ``lr * scale / eps``. ``v`` is the same on every rank, so every rank uses
+        the same weights, and 1-bit Adam's error feedback stays exact (``v`` is frozen).
+        """
+        return self.state[p]["exp_avg_sq"].to(torch.float32).sqrt().add_(group["eps"])
+
+    def to_update_units(self, group: dict[str, Any], p: Tensor, kind: StepKind, message: Tensor) -> None:
+        """Divide a 1-bit gradient or momentum message by :meth:`compression_weight`, in place."""
+        if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):
+            message.div_(self.compression_weight(group, p))
+
+    def from_update_units(self, group: dict[str, Any], p: Tensor, kind: StepKind, combined: Tensor) -> None:
+        """Undo :meth:`to_update_units` on the combined result, in place."""
+        if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):
+            combined.mul_(self.compression_weight(group, p))
+
     def implied_gradient(self, group: dict[str, Any], p: Tensor, combined_momentum: Tensor) -> Tensor:
         """Turn a combined momentum into the gradient it implies, in place in ``combined_momentum``.
 
@@ -717,11 +740,14 @@ class CompressedAdamBase(Optimizer):
                 views = functools.partial(consecutive_views, bucket_params)
             for (group, p), view in zip(bucket, views(message)):
                 self.write_message(group, p, p.grad, kind, view)
+                self.to_update_units(group, p, kind, view)
             if kind.compressed:
                 combined = self.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout)
             else:
                 combined = self.comm.allreduce_mean(message)
             del message  # the compressed allreduce's scratch: freed before the next bucket
+            for (group, p), view in zip(bucket, views(combined)):
+                self.from_update_units(group, p, kind, view)
             results += [(group, p, view) for (group, p), view in zip(bucket, views(combined))]
         grads = [p.grad for p in params]
         if kind is StepKind.EXACT and self.follow_gradient_scale:

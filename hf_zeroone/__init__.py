@@ -7,7 +7,7 @@
 from hf_zeroone.comm import CommStats, Communicator
 from hf_zeroone.compression import ChunkLayout
 from hf_zeroone.ddp_hook import ZeroOneHookState, register_zeroone_hook, zeroone_hook
-from hf_zeroone.optim import CompressedAdamBase, OneBitAdam, StepKind, ZeroOneAdam
+from hf_zeroone.optim import CompressedAdamBase, OneBitAdam, StepKind, ZeroOneAdam, recommended_freeze_step
 
 __version__ = "0.1.0"
 
@@ -35,6 +35,7 @@ __all__ = [
     "ZeroOneTrainingArguments",
     "__version__",
     "prepare_zeroone",
+    "recommended_freeze_step",
     "register_zeroone_hook",
     "zeroone_hook",
 ]

@@ -20,8 +20,9 @@ Workloads (``--workloads``, comma-separated):
   squared error.
 
 Optimizers (``--optimizers``) get only user-level settings: lr and its schedule, the run length,
-``freeze_step`` (1-bit Adam) / ``var_freeze_step`` (0/1 Adam) at the end of the LR warm-up
-(``lsq``: step 200), and the same weight decay (0 by default) and gradient clipping for all;
+``freeze_step`` (1-bit Adam) / ``var_freeze_step`` (0/1 Adam) as the README recommends,
+``recommended_freeze_step(T, W)`` / ``recommended_freeze_step(T, 2 W)`` (20% of the run with a
+10% warm-up ``W``; ``lsq``: step 200), and the same weight decay (0 by default) and gradient clipping for all;
 every other knob is the package's default at run time. PowerSGD is torch's hook at rank 4 with
 AdamW. How bytes and rounds are counted: ``convergence_worker.py``.
 
@@ -40,6 +41,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+from hf_zeroone.optim import recommended_freeze_step
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -77,7 +80,13 @@ class SuiteArguments:
     clm_steps: int = field(default=1000, metadata={"help": "CLM optimizer steps."})
     mlm_steps: int = field(default=500, metadata={"help": "MLM optimizer steps."})
     lm_lr: float = field(default=1e-3, metadata={"help": "LM peak learning rate (linear warm-up, then linear to 0)."})
-    lm_warmup_ratio: float = field(default=0.1, metadata={"help": "LM warm-up; also freeze_step / var_freeze_step."})
+    lm_warmup_ratio: float = field(
+        default=0.1,
+        metadata={
+            "help": "LM warm-up W (T steps); freeze_step = recommended_freeze_step(T, W), var_freeze_step = "
+            "recommended_freeze_step(T, 2W), PowerSGD's start = W."
+        },
+    )
     lm_batch_size: int = field(default=8, metadata={"help": "LM sequences per rank and step."})
     lm_seq_len: int = field(default=64, metadata={"help": "LM tokens per sequence."})
     lm_hidden_size: int = field(default=128, metadata={"help": "LM width."})
@@ -171,7 +180,14 @@ def make_spec(args: SuiteArguments, workload: str, optimizer: str, data: Path, r
     else:
         steps = args.clm_steps if workload == "clm" else args.mlm_steps
         warm = max(1, round(steps * args.lm_warmup_ratio))
-        spec.update(steps=steps, warmup_steps=warm, freeze_step=warm, lr=args.lm_lr, batch_size=args.lm_batch_size)
+        # what the README tells a user of the bare optimizers (and ZeroOneTrainer derives); PowerSGD
+        # starts compressing at the end of the warm-up
+        freeze = warm
+        if optimizer == "onebit_adam":
+            freeze = recommended_freeze_step(steps, warm)
+        elif optimizer == "zeroone_adam":
+            freeze = recommended_freeze_step(steps, 2 * warm)
+        spec.update(steps=steps, warmup_steps=warm, freeze_step=freeze, lr=args.lm_lr, batch_size=args.lm_batch_size)
         spec.update(hidden_size=args.lm_hidden_size, num_layers=args.lm_num_layers, num_heads=args.lm_num_heads)
         spec.update(max_grad_norm=args.lm_max_grad_norm, eval_size=args.lm_eval_sequences)
     return spec

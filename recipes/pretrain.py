@@ -60,9 +60,13 @@ class PretrainArguments:
     warmup_steps: int = field(default=30, metadata={"help": "Linear LR warm-up steps."})
     weight_decay: float = field(default=0.01, metadata={"help": "Decoupled weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping (0 = off)."})
-    freeze_step: int | None = field(default=None, metadata={"help": "1-bit Adam warm-up (default: warmup_steps)."})
+    freeze_step: int | None = field(
+        default=None,
+        metadata={"help": "1-bit Adam exact steps (default: recommended_freeze_step(max_steps, warmup_steps))."},
+    )
     var_freeze_step: int | None = field(
-        default=None, metadata={"help": "0/1 Adam local phase start (default: 2 * warmup_steps)."}
+        default=None,
+        metadata={"help": "0/1 Adam variance freeze (default: recommended_freeze_step(max_steps, 2 * warmup_steps))."},
     )
     var_update_scaler: int = field(default=16, metadata={"help": "0/1 Adam kappa."})
     local_step_scaler: int | None = field(
@@ -204,7 +208,7 @@ def build_model(args: PretrainArguments, tokenizer):
 
 
 def build_optimizer(args: PretrainArguments, model: torch.nn.Module) -> torch.optim.Optimizer:
-    from hf_zeroone import OneBitAdam, ZeroOneAdam
+    from hf_zeroone import OneBitAdam, ZeroOneAdam, recommended_freeze_step
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -213,12 +217,15 @@ def build_optimizer(args: PretrainArguments, model: torch.nn.Module) -> torch.op
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     warm = max(1, args.warmup_steps)
     if args.optimizer == "onebit_adam":
-        return OneBitAdam(groups, lr=args.learning_rate, freeze_step=args.freeze_step or warm)
+        freeze = args.freeze_step or recommended_freeze_step(args.max_steps, warm)
+        return OneBitAdam(groups, lr=args.learning_rate, freeze_step=freeze)
     if args.optimizer == "zeroone_adam":
         return ZeroOneAdam(
             groups,
             lr=args.learning_rate,
-            var_freeze_step=args.var_freeze_step if args.var_freeze_step is not None else 2 * warm,
+            var_freeze_step=recommended_freeze_step(args.max_steps, 2 * warm)
+            if args.var_freeze_step is None
+            else args.var_freeze_step,
             var_update_scaler=args.var_update_scaler,
             local_step_scaler=args.local_step_scaler or max(1, args.max_steps // 30),
             local_step_clipper=args.local_step_clipper,

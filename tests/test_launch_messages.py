@@ -25,12 +25,14 @@ def test_warmup_ratio_works_as_keyword_and_flag():
     (parsed,) = HfArgumentParser(ZeroOneTrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", "out", "--optim_compression", "onebit_adam", "--warmup_ratio", "0.25", "--report_to", "none"]
     )
+    # the variance freezes at the later of the warm-up and 20% of the run
     assert parsed.get_warmup_steps(40) == 10 and parsed.compression_schedule(40) == {"freeze_step": 10}
     # whole steps mean the same on every version; no warm-up at all falls back to 10% of the run
     steps = ZeroOneTrainingArguments(output_dir="out", optim_compression="onebit_adam", warmup_steps=7, report_to=[])
-    assert steps.compression_schedule(1000) == {"freeze_step": 7}
+    assert steps.compression_schedule(1000) == {"freeze_step": 200}
+    assert steps.compression_schedule(20) == {"freeze_step": 7}
     none = ZeroOneTrainingArguments(output_dir="out", optim_compression="onebit_adam", report_to=[])
-    assert none.compression_schedule(1000) == {"freeze_step": 100}
+    assert none.compression_schedule(1000) == {"freeze_step": 200}
 
 
 def test_warmup_ratio_out_of_range_is_refused():

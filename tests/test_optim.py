@@ -339,3 +339,16 @@ def test_non_finite_gradient_on_a_communicating_step_is_skipped():
     with pytest.warns(RuntimeWarning, match="step skipped"):
         opt.step()
     assert torch.equal(p.detach(), torch.ones(3)) and opt.schedule["step"] == 0
+
+
+def test_recommended_freeze_step_is_the_later_of_the_warmup_and_a_fifth_of_the_run():
+    from hf_zeroone import recommended_freeze_step
+
+    assert recommended_freeze_step(500, 50) == 100  # 20% of the run after a 10% warm-up
+    assert recommended_freeze_step(1000, 2 * 100) == 200  # 0/1 Adam: twice the warm-up
+    assert recommended_freeze_step(1000, 300) == 300  # a long warm-up wins
+    assert recommended_freeze_step(35) == 7  # integer arithmetic: 0.2 * 35 is 7.000000000000001 in floats
+    assert recommended_freeze_step(1) == 1  # never 0: the variance must be estimated once
+    for bad, match in [((0,), "num_training_steps"), ((10.0,), "num_training_steps"), ((10, -1), "warmup_steps")]:
+        with pytest.raises(ValueError, match=match):
+            recommended_freeze_step(*bad)

@@ -244,14 +244,14 @@ def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
     )
     (args,) = HfArgumentParser(ZeroOneTrainingArguments).parse_json_file(str(config))
     assert args.compression_schedule(1000) == {
-        "var_freeze_step": 20,
+        "var_freeze_step": 200,  # the later of twice the warm-up and 20% of the run
         "exact_warmup_steps": 10,
         "var_update_scaler": 16,
-        "local_step_scaler": 61,  # (1000 - 20) // (4 * log2(16)): the gap reaches 16 a quarter into the local phase
+        "local_step_scaler": 50,  # (1000 - 200) // (4 * log2(16)): the gap reaches 16 a quarter into the local phase
         "local_step_clipper": 16,
     }
     help_text = HfArgumentParser(ZeroOneTrainingArguments).format_help()
-    assert "1-bit Adam: exact warm-up steps" in help_text
+    assert "1-bit Adam: exact steps before compression" in help_text
 
 
 @pytest.mark.parametrize(

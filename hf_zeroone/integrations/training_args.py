@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 
 from transformers import TrainingArguments
 
+from hf_zeroone.optim import recommended_freeze_step
+
 OPTIMIZER_CHOICES = ("adamw_torch", "onebit_adam", "zeroone_adam")
 
 #: transformers 4.x has a ``warmup_ratio`` field; 5.x dropped it (a ``warmup_steps`` below 1 is the ratio there)
@@ -18,10 +20,12 @@ class ZeroOneTrainingArguments(TrainingArguments):
     """:class:`transformers.TrainingArguments` plus the communication-compressed optimizer settings.
 
     Every field is a command-line flag of ``HfArgumentParser`` and a key of a JSON config. Names of
-    the schedule fields follow DeepSpeed. Steps left at ``None`` are derived from the LR warm-up
-    ``W`` (the number of warm-up steps the LR scheduler uses; 10% of the training steps when there
-    is no warm-up): ``freeze_step = W`` for 1-bit Adam; ``exact_warmup_steps = W`` and
-    ``var_freeze_step = 2 W`` for 0/1 Adam.
+    the schedule fields follow DeepSpeed. Steps left at ``None`` are derived from the run's ``T``
+    optimizer steps and its LR warm-up ``W`` (the number of warm-up steps the LR scheduler uses;
+    10% of the training steps when there is no warm-up), with
+    :func:`hf_zeroone.optim.recommended_freeze_step` (the later of its argument and 20% of the run):
+    ``freeze_step = recommended_freeze_step(T, W)`` for 1-bit Adam; ``exact_warmup_steps = W`` and
+    ``var_freeze_step = recommended_freeze_step(T, 2 W)`` for 0/1 Adam.
 
     ``warmup_ratio`` works on every supported transformers version: 4.x has the field; on 5.x,
     which dropped it (there a ``warmup_steps`` below 1 is a ratio), this class adds it and passes
@@ -39,11 +43,17 @@ class ZeroOneTrainingArguments(TrainingArguments):
     )
     freeze_step: int | None = field(
         default=None,
-        metadata={"help": "1-bit Adam: exact warm-up steps before compression (default: the LR warm-up)."},
+        metadata={
+            "help": "1-bit Adam: exact steps before compression and the variance freeze (default: the later of "
+            "the LR warm-up and a fifth of the run)."
+        },
     )
     var_freeze_step: int | None = field(
         default=None,
-        metadata={"help": "0/1 Adam: first step of the local-step phase (default: twice the LR warm-up)."},
+        metadata={
+            "help": "0/1 Adam: variance freeze, first step of the local-step phase (default: the later of twice "
+            "the LR warm-up and a fifth of the run)."
+        },
     )
     var_update_scaler: int = field(
         default=16,
@@ -134,9 +144,11 @@ class ZeroOneTrainingArguments(TrainingArguments):
         """The optimizer keyword arguments for the schedule, with defaults derived from the warm-up."""
         warmup = self.get_warmup_steps(num_training_steps) or max(1, num_training_steps // 10)
         if self.optim_compression == "onebit_adam":
-            return {"freeze_step": warmup if self.freeze_step is None else self.freeze_step}
+            derived = recommended_freeze_step(num_training_steps, warmup)
+            return {"freeze_step": derived if self.freeze_step is None else self.freeze_step}
         if self.optim_compression == "zeroone_adam":
-            var_freeze = 2 * warmup if self.var_freeze_step is None else self.var_freeze_step
+            derived = recommended_freeze_step(num_training_steps, 2 * warmup)
+            var_freeze = derived if self.var_freeze_step is None else self.var_freeze_step
             scaler = self.local_step_scaler
             if scaler is None:  # the gap doubles log2(clipper) times within the first quarter of the local phase
                 doublings = max(1, math.ceil(math.log2(max(2, self.local_step_clipper))))

@@ -2,15 +2,18 @@
 
 from hf_zeroone.optim._base import CompressedAdamBase, StepKind
 from hf_zeroone.optim._memory import bytes_per_parameter, documented_bytes_per_param, state_bytes
+from hf_zeroone.optim._schedule import FREEZE_PERCENT, recommended_freeze_step
 from hf_zeroone.optim.onebit_adam import OneBitAdam
 from hf_zeroone.optim.zeroone_adam import ZeroOneAdam
 
 __all__ = [
+    "FREEZE_PERCENT",
     "CompressedAdamBase",
     "OneBitAdam",
     "StepKind",
     "ZeroOneAdam",
     "bytes_per_parameter",
     "documented_bytes_per_param",
+    "recommended_freeze_step",
     "state_bytes",
 ]

@@ -50,7 +50,9 @@ class OneBitAdam(CompressedAdamBase):
             (DeepSpeed's option); combined with ``auto_momentum_mask``.
         lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
         freeze_step: number of exact warm-up steps before compression starts (at least 1: the
-            variance is estimated on these steps).
+            variance is estimated on these steps). For a run of ``T`` steps with an LR warm-up of
+            ``W``: :func:`~hf_zeroone.optim.recommended_freeze_step` ``(T, W)``, the later of ``W``
+            and ``T / 5``.
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
         communicator, check_replicas_every, follow_gradient_scale: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
 
@@ -91,7 +93,7 @@ class OneBitAdam(CompressedAdamBase):
         if isinstance(freeze_step, int) and not isinstance(freeze_step, bool) and freeze_step == 0:
             raise ValueError(
                 "freeze_step=0 would freeze a variance that was never estimated (v = 0): nothing would "
-                "train. Use at least 1 exact step, usually the LR warm-up length (e.g. freeze_step=100)"
+                "train. Use at least 1 exact step, usually recommended_freeze_step(total_steps, warmup_steps)"
             )
         _check_int("freeze_step", freeze_step, 1)
         self.freeze_step = freeze_step

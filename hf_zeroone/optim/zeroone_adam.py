@@ -73,7 +73,9 @@ class ZeroOneAdam(CompressedAdamBase):
         params: parameters or parameter groups (a group may carry ``exp_avg_mask``, see
             :class:`OneBitAdam`).
         lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
-        var_freeze_step: first step of phase 2 (at least 1; usually the end of the LR warm-up).
+        var_freeze_step: first step of phase 2 (at least 1; for a run of ``T`` steps with an LR
+            warm-up of ``W``: :func:`~hf_zeroone.optim.recommended_freeze_step` ``(T, 2 * W)``, the
+            later of ``2 W`` and ``T / 5``).
         var_update_scaler: variance updates between doublings of the variance-step gap
             (:math:`\kappa` in the paper).
         local_step_scaler: local-phase steps between doublings of the sync gap. ``None`` (default):
@@ -130,7 +132,7 @@ class ZeroOneAdam(CompressedAdamBase):
         if isinstance(var_freeze_step, int) and not isinstance(var_freeze_step, bool) and var_freeze_step == 0:
             raise ValueError(
                 "var_freeze_step=0 would freeze a variance that was never estimated (v = 0): nothing would "
-                "train. Use at least 1, usually twice the LR warm-up length (e.g. var_freeze_step=200)"
+                "train. Use at least 1, usually recommended_freeze_step(total_steps, 2 * warmup_steps)"
             )
         _check_int("var_freeze_step", var_freeze_step, 1)
         _check_int("var_update_scaler", var_update_scaler, 1)

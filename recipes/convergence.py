@@ -69,10 +69,10 @@ class SuiteArguments:
     timeout: int = field(default=1800, metadata={"help": "Seconds one run may take before it is killed."})
     seed: int = field(default=0, metadata={"help": "Seed for data, initialisation and order."})
     follow_gradient_scale: bool = field(
-        default=False,
+        default=True,
         metadata={
-            "help": "Build 1-bit and 0/1 Adam with follow_gradient_scale=True (opt-in, off by default) on clm, "
-            "mlm and lsq (finetune runs through ZeroOneTrainer, which does not expose it)."
+            "help": "False: build 1-bit and 0/1 Adam with follow_gradient_scale=False (the package default is "
+            "True) on clm, mlm and lsq; finetune runs through ZeroOneTrainer, which keeps the default."
         },
     )
     weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay, the same for every optimizer."})

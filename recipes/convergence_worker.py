@@ -116,8 +116,8 @@ def make_optimizer(name: str, params, spec: dict):
     common = {"lr": spec["lr"], "weight_decay": spec["weight_decay"]}
     if spec.get("betas"):
         common["betas"] = tuple(spec["betas"])
-    if spec.get("follow_gradient_scale") and name in ("onebit_adam", "zeroone_adam"):
-        common["follow_gradient_scale"] = True  # opt-in, asked for on the command line
+    if spec.get("follow_gradient_scale") is False and name in ("onebit_adam", "zeroone_adam"):
+        common["follow_gradient_scale"] = False  # off, asked for on the command line
     if name == "onebit_adam":
         return OneBitAdam(params, freeze_step=spec["freeze_step"], **common)
     if name == "zeroone_adam":

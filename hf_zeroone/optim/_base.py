@@ -183,12 +183,11 @@ class CompressedAdamBase(Optimizer):
             bit-identical parameters (one all-gather of 16 bytes) and raise ``RuntimeError`` if
             they do not. ``0`` (default) disables the check.
         follow_gradient_scale: after the variance freeze, rescale the frozen ``v`` of each tensor
-            by how much its gradients have shrunk relative to it (one float per tensor, averaged
-            with a collective the step already makes; exact steps add one small allreduce; see
-            :mod:`hf_zeroone.optim._grad_scale`). Off by default: on least squares, whose loss
-            falls 100x after the freeze, it takes 1-bit and 0/1 Adam from 3x and 5x AdamW's final
-            loss to at or below it; on the GPT-2 language model of ``recipes/convergence.py`` it
-            makes both worse (+5.7% and +4.3% over AdamW, against +2.0% and -0.1% without).
+            (down only) by how much its gradients have shrunk relative to it (one float per
+            tensor, averaged with a collective the step already makes; exact steps add one small
+            allreduce; see :mod:`hf_zeroone.optim._grad_scale`). On by default: without it, least
+            squares whose loss falls 100x after the freeze ends 3x (1-bit) and 5x (0/1 Adam)
+            above AdamW's final loss; ``False`` keeps ``v`` frozen as the papers and DeepSpeed do.
 
     With no process group, or a world size of 1, the optimizer communicates nothing and runs Adam
     with the same schedule (so it can be used and tested in a single process).
@@ -215,7 +214,7 @@ class CompressedAdamBase(Optimizer):
         auto_momentum_mask: bool,
         communicator: Communicator | None,
         check_replicas_every: int = 0,
-        follow_gradient_scale: bool = False,
+        follow_gradient_scale: bool = True,
     ) -> None:
         _check_int("check_replicas_every", check_replicas_every, 0)
         if isinstance(lr, Tensor) or not isinstance(lr, (int, float)) or not lr >= 0.0:

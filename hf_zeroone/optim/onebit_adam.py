@@ -85,7 +85,7 @@ class OneBitAdam(CompressedAdamBase):
         auto_momentum_mask: bool = True,
         communicator: Communicator | None = None,
         check_replicas_every: int = 0,
-        follow_gradient_scale: bool = False,
+        follow_gradient_scale: bool = True,
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:

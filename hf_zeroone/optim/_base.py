@@ -48,8 +48,6 @@ once.
 
 from __future__ import annotations
 
-import enum
-import functools
 import math
 import os
 import sys
@@ -65,38 +63,19 @@ from torch.optim import Optimizer
 from hf_zeroone._tensors import all_finite
 from hf_zeroone.comm import CommStats, Communicator
 from hf_zeroone.optim import _grad_scale, _masks, _memory
-from hf_zeroone.optim._flat import (
-    ERROR_STATE,
-    FlatBuffers,
-    build_flat_buffers,
-    consecutive_views,
-    refresh_layout,
-    restore_errors,
-    split_in_buckets,
-)
+from hf_zeroone.optim._checkpoint import CheckpointMixin
+from hf_zeroone.optim._flat import FlatBuffers, build_flat_buffers
+from hf_zeroone.optim._grad_scale import GradScaleMixin
+from hf_zeroone.optim._local_phase import LocalPhaseMixin
+from hf_zeroone.optim._masks import MomentumMaskMixin
+from hf_zeroone.optim._step_kind import StepKind, _check_fraction, _check_int
+from hf_zeroone.optim._step_path import StepPathMixin
 
 __all__ = ["CompressedAdamBase", "FlatBuffers", "StepKind"]
 
-_STATE_KEY = "hf_zeroone"
-#: clipping that keeps less than this fraction of 1-bit Adam's implied gradient is treated as a
-#: spike: the error buffers are scaled with it (see CompressedAdamBase._undo_norm_proxy)
-_SPIKE_CLIP = 0.1
 #: elements with ``sqrt(v) + eps`` below this fraction of their tensor's mean are compressed in
 #: units of their update (see :meth:`CompressedAdamBase.compression_weight`)
 _UPDATE_UNITS_BELOW = 0.1
-#: state entries kept in float32 whatever the parameter's dtype (error feedback)
-_FP32_STATE = ("worker_error", "server_error")
-#: state entries restored as float32 by load_state_dict (torch would cast them to the parameter's dtype)
-_FP32_ON_LOAD = ERROR_STATE + _grad_scale.STATE_KEYS
-
-
-def _kept(ratio: Tensor) -> Tensor:
-    """The fraction of a gradient's norm that clipping kept: exactly 1 unless it was cut.
-
-    ``ratio`` is the norm after clipping over the norm handed on; two norms of the same values
-    can differ in the last bit (a different summation order), which must not count as clipping.
-    """
-    return torch.where(ratio > 1.0 - 1e-5, torch.ones_like(ratio), ratio)
 
 
 def _user_stacklevel() -> int:
@@ -116,45 +95,7 @@ def _user_stacklevel() -> int:
     return level
 
 
-class StepKind(enum.Enum):
-    """What one optimizer step communicates (see the module docstring)."""
-
-    EXACT = "exact"
-    ONEBIT_GRADIENT = "onebit_gradient"
-    ONEBIT_MOMENTUM = "onebit_momentum"
-    LOCAL = "local"
-    ONEBIT_SYNC = "onebit_sync"
-
-    @property
-    def communicates(self) -> bool:
-        return self is not StepKind.LOCAL
-
-    @property
-    def communicates_in_backward(self) -> bool:
-        """True when the message is ready when backward ends (a DDP hook can send it)."""
-        return self in (StepKind.EXACT, StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM)
-
-    @property
-    def compressed(self) -> bool:
-        return self in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM, StepKind.ONEBIT_SYNC)
-
-    @property
-    def message_is_gradient(self) -> bool:
-        """True when a rank's message is its raw gradient (what DDP's bucket already holds)."""
-        return self in (StepKind.EXACT, StepKind.ONEBIT_GRADIENT)
-
-
-def _check_fraction(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-class CompressedAdamBase(Optimizer):
+class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, GradScaleMixin, CheckpointMixin, Optimizer):
     """Adam with a communication schedule; subclasses define the schedule.
 
     Args:
@@ -420,29 +361,6 @@ class CompressedAdamBase(Optimizer):
             view.mul_(factor)
             self._norm_proxy_factors[p] = (factor, torch.where(ok, mean_sq.sqrt(), norm))
 
-    def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
-        """Each local gradient's squared norm once normalised by the current variance, as one float32 vector.
-
-        ``sum_j g_j^2 / (sqrt(v_j / c2) + eps)^2`` over the elements with a variance (``v_j > 0``): how
-        large the gradient is *relative to* what ``v`` expects, element by element, so that a few
-        elements with large gradients do not speak for the whole tensor. Averaged over ranks, it
-        is the sample of :mod:`hf_zeroone.optim._grad_scale`.
-        """
-        out = []
-        for p, g in zip(params, grads):
-            state = self.state.get(p, {})
-            v = state.get("exp_avg_sq")
-            if g is None or v is None:
-                out.append(torch.zeros((), dtype=torch.float32, device=p.device))
-                continue
-            group = self.group_of(p)
-            k = self.schedule["variance_updates"]
-            c2 = 1.0 - group["betas"][1] ** k if group["bias_correction"] and k > 0 else 1.0
-            v = v.float()
-            normalised = g.float() / v.div(c2).sqrt_().add_(group["eps"])
-            out.append(torch.where(v > 0, normalised.square_(), 0.0).sum())
-        return torch.stack(out)
-
     @staticmethod
     def local_sq_norms(grads: Sequence[Tensor | None]) -> Tensor:
         """``||g||^2`` of each local gradient (0 for ``None``), as one float32 vector."""
@@ -497,97 +415,6 @@ class CompressedAdamBase(Optimizer):
             return exp_avg_sq.sqrt().div_(math.sqrt(c2)).add_(group["eps"])
         return exp_avg_sq.sqrt().mul_(torch.sqrt(f.to(exp_avg_sq.dtype) / c2)).add_(group["eps"])
 
-    def record_grad_sq(
-        self, params: Sequence[Tensor], mean_sq_norms: Tensor, handed_norms: Sequence[Tensor] | None = None
-    ) -> None:
-        """Note this step's mean over ranks of each :meth:`scale_samples` (and the norms handed on as ``p.grad``).
-
-        Called by whoever combined the gradients (``step()`` or the DDP hook) on the steps that
-        sample the gradient's scale (see :mod:`hf_zeroone.optim._grad_scale`).
-        """
-        for i, p in enumerate(params):
-            self._grad_sq_samples[p] = (mean_sq_norms[i], None if handed_norms is None else handed_norms[i])
-
-    def _sample_grad_scale(self, kind: StepKind, updates: list[tuple[dict[str, Any], Tensor, Tensor]]) -> None:
-        """Fold this step's gradient scale into each tensor's running mean square (before the update)."""
-        samples, self._grad_sq_samples = self._grad_sq_samples, {}
-        kept_fractions, self._kept_fraction = self._kept_fraction, {}
-        if not self.follow_gradient_scale or kind is StepKind.ONEBIT_GRADIENT or self.schedule["variance_updates"] == 0:
-            return  # v is not updated on these steps; before the first update there is no v to compare with
-        count = self.schedule.get("grad_sq_updates", 0) + 1
-        self.schedule["grad_sq_updates"] = count
-        for group, p, value in updates:
-            if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):  # this rank's own gradient, as used
-                mean_sq, handed = self.scale_samples([p], [value])[0], None
-            elif p in samples:
-                mean_sq, handed = samples[p]
-            else:
-                continue
-            kept: Tensor | float = 1.0
-            if p in kept_fractions:
-                kept = kept_fractions[p]
-            elif handed is not None:  # clipped after the hook handed it on
-                norm = torch.linalg.vector_norm(value, dtype=torch.float32)
-                kept = _kept(norm / torch.where(handed > 0, handed, 1.0))
-            _grad_scale.sample(
-                self.state[p],
-                p,
-                mean_sq,
-                kept,
-                group["betas"][1],
-                count,
-                group["bias_correction"],
-                variance_step=kind is StepKind.EXACT,
-            )
-
-    @staticmethod
-    def _accumulates_displacement(p: Tensor) -> bool:
-        """Whether ``p`` keeps 0/1 Adam's ``u`` in a buffer instead of deriving it (see :meth:`_displacement`)."""
-        return p.dtype not in (torch.float32, torch.float64)
-
-    def _displacement(self, p: Tensor, out: Tensor) -> None:
-        """0/1 Adam's ``u`` for ``p`` into ``out`` (fp32): what the local steps since the last sync moved it.
-
-        Derived as ``u = decay_prod * sync_param - p`` (no buffer held): a sync then sets
-        ``p = decay_prod * sync_param - u_avg``, which without compression is exactly where the
-        local steps left ``p``. A parameter below fp32 (bf16, fp16) accumulates ``u`` in a buffer
-        instead, since each local step's rounding of ``p`` to its own precision would drop updates
-        the accumulator keeps.
-        """
-        state = self.state[p]
-        if "update_accumulator" in state:
-            out.copy_(state["update_accumulator"])
-        elif p.dtype == out.dtype:
-            torch.mul(state["sync_param"], state["decay_prod"], out=out).sub_(p)
-        else:
-            out.copy_(state["sync_param"].mul(state["decay_prod"]).sub_(p))
-
-    def _apply_sync(self, group: dict[str, Any], p: Tensor, combined_u: Tensor, kind: StepKind) -> None:
-        """Back to the last synced parameters, then the averaged accumulated update (in parameter space)."""
-        state = self.state[p]
-        c1, c2 = self._coefficients(group, kind)
-        combined_u = combined_u.to(p.dtype)
-        p.copy_(state["sync_param"]).mul_(state["decay_prod"]).sub_(combined_u)
-        if state["lr_sum"] > 0:
-            denom = self._denominator(group, p, kind, c2)
-            state["exp_avg"].copy_(combined_u).mul_(denom).mul_(c1 / state["lr_sum"])
-        if "update_accumulator" in state:
-            if self._accumulates_displacement(p):
-                state["update_accumulator"].zero_()
-            else:  # derived from now on (a checkpoint of an earlier version brought one)
-                del state["update_accumulator"]
-        state["sync_param"].copy_(p)
-        state["lr_sum"], state["decay_prod"] = 0.0, 1.0
-
-    def _discard_interval(self, p: Tensor) -> None:
-        """Back to the last synced parameters with zero momentum: identical and finite on every rank."""
-        state = self.state[p]
-        p.copy_(state["sync_param"])
-        state["exp_avg"].zero_()
-        if "update_accumulator" in state:
-            state["update_accumulator"].zero_()
-        state["lr_sum"], state["decay_prod"] = 0.0, 1.0
-
     # ------------------------------------------------------------------ preparation
     def _init_state(self, p: Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -619,78 +446,6 @@ class CompressedAdamBase(Optimizer):
         self._stats_at_step_start = self.comm.stats.copy()
         return kind
 
-    def _build_momentum_masks(self) -> None:
-        """Fix, once, which elements take part in compression (see ``auto_momentum_mask``)."""
-        for group, p in self.trainable_params():
-            state = self.state[p]
-            mask = None
-            if self.auto_momentum_mask:
-                nonzero = state["exp_avg_sq"] != 0
-                if not bool(nonzero.all()):
-                    mask = nonzero
-            user = group.get("exp_avg_mask")
-            if user is not None:
-                user_mask = torch.broadcast_to(user.to(p.device) != 0, p.shape)
-                mask = user_mask if mask is None else mask & user_mask
-            if mask is not None:
-                state["momentum_mask"] = mask.clone()
-        self.schedule["masks_ready"] = True
-        self._flat_cache.clear()
-
-    def _release_masked_rows(self, kind: StepKind) -> None:
-        """Unmask the rows that received a gradient on any rank (see :mod:`hf_zeroone.optim._masks`)."""
-        masked = [(g, p, self.state[p]) for g, p in self.trainable_params() if "momentum_mask" in self.state[p]]
-        if not masked:
-            return
-        if kind is StepKind.EXACT:  # exact gradients updated v: it says which rows had one
-            released = [_masks.released_by_variance(s) for _, _, s in masked]
-        else:
-            flags = [_masks.activity_flags(s) for _, _, s in masked]
-            agreed = torch.cat(flags)
-            if self.comm.is_distributed:
-                agreed = self.comm.allreduce_mean(agreed)
-            released = [
-                _masks.scatter_flags(s, f) for (_, _, s), f in zip(masked, agreed.split([len(f) for f in flags]))
-            ]
-        everywhere = None  # mean known variance over all tensors, computed only if needed
-        changed: set[int] = set()
-        for (group, p, state), rows in zip(masked, released):
-            _masks.clear_activity(state)
-            if not bool(rows.any()):
-                continue
-            total, count = _masks.known_variance(state)
-            if count == 0:  # no element of this tensor has a variance: the mean of all tensors
-                if everywhere is None:
-                    sums = [_masks.known_variance(self.state[q]) for _, q in self.trainable_params()]
-                    n = sum(c for _, c in sums)
-                    everywhere = sum(t for t, _ in sums) / n if n else 0.0
-                total, count = everywhere, 1
-            if total == 0.0:
-                continue
-            user = group.get("exp_avg_mask")
-            user_mask = None if user is None else torch.broadcast_to(user.to(p.device) != 0, p.shape)
-            _masks.release_rows(state, rows, user_mask, total / count)
-            changed.add(id(p))
-        for entry in self._flat_cache.values():  # same positions, new masks: the buffers stay
-            if changed.intersection(map(id, entry.params)):
-                refresh_layout(entry, lambda q: self.state[q])
-
-    def _start_local_phase(self) -> None:
-        """Entering local steps: remember the synced parameters, reset u and the error buffers."""
-        for _, p in self.trainable_params():
-            state = self.state[p]
-            state["sync_param"] = p.detach().clone()
-            if self._accumulates_displacement(p):
-                state["update_accumulator"] = torch.zeros_like(p)
-            else:
-                state.pop("update_accumulator", None)
-            state["lr_sum"], state["decay_prod"] = 0.0, 1.0
-            # The errors so far belong to compressed gradients, not to u (as DeepSpeed does).
-            for key in ("worker_error", "server_error"):
-                if key in state:
-                    state[key].zero_()
-        self.schedule["local_phase_started"] = True
-
     # ------------------------------------------------------------------ flat buffers
     def flat_buffers(self, params: Sequence[Tensor]) -> FlatBuffers:
         """Flat error buffers for ``params`` in this order (cached per order; see :mod:`._flat`).
@@ -719,108 +474,6 @@ class CompressedAdamBase(Optimizer):
         return _memory.state_bytes(self)
 
     # ------------------------------------------------------------------ the step
-    def _exchange(self, kind: StepKind) -> list[tuple[dict[str, Any], Tensor, Tensor]]:
-        """Compute every parameter's message and combine across ranks; no DDP hook involved."""
-        pairs = self.trainable_params()
-        if not pairs:
-            return []
-        params = [p for _, p in pairs]
-        if not self.comm.is_distributed:
-            # A single process sends nothing; the "combined" value is the message itself.
-            results = []
-            for group, p in pairs:
-                if p.grad is None:
-                    continue  # like torch.optim: a parameter without gradient is left alone
-                out = torch.empty_like(p, dtype=torch.float32)
-                self.write_message(group, p, p.grad, kind, out)
-                if kind.compressed and "momentum_mask" in self.state[p]:
-                    out.mul_(self.state[p]["momentum_mask"])  # as the compressed allreduce does
-                if kind is StepKind.ONEBIT_MOMENTUM:
-                    self.implied_gradient(group, p, out)
-                results.append((group, p, out))
-            if self.follow_gradient_scale and kind in (StepKind.EXACT, StepKind.ONEBIT_MOMENTUM) and results:
-                used = [p for _, p, _ in results]
-                self.record_grad_sq(used, self.scale_samples(used, [p.grad for p in used]))
-            return results
-        results: list[tuple[dict[str, Any], Tensor, Tensor]] = []
-        for bucket in split_in_buckets(pairs, self.step_bucket_numel):  # one bucket's message at a time
-            bucket_params = [p for _, p in bucket]
-            if kind.compressed:
-                flat = self.flat_buffers(bucket_params)
-                message, views = flat.new_message(), flat.views
-                message[flat.layout.numel :].zero_()
-            else:
-                numel = sum(p.numel() for p in bucket_params)
-                message = torch.empty(numel, dtype=torch.float32, device=params[0].device)
-                views = functools.partial(consecutive_views, bucket_params)
-            for (group, p), view in zip(bucket, views(message)):
-                self.write_message(group, p, p.grad, kind, view)
-                self.to_update_units(group, p, kind, view)
-            if kind.compressed:
-                combined = self.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout)
-            else:
-                combined = self.comm.allreduce_mean(message)
-            del message  # the compressed allreduce's scratch: freed before the next bucket
-            for (group, p), view in zip(bucket, views(combined)):
-                self.from_update_units(group, p, kind, view)
-            results += [(group, p, view) for (group, p), view in zip(bucket, views(combined))]
-        grads = [p.grad for p in params]
-        if kind is StepKind.EXACT and self.follow_gradient_scale:
-            self.record_grad_sq(params, self.comm.allreduce_mean(self.scale_samples(params, grads)))
-        if kind is StepKind.ONEBIT_MOMENTUM:
-            # one collective: the local squared norms (clipping), and the scale samples when asked for
-            floats = self.local_sq_norms(grads)
-            if self.follow_gradient_scale:
-                floats = torch.cat([floats, self.scale_samples(params, grads)])
-            floats = self.comm.allreduce_mean(floats.to(params[0].device))
-            mean_sq = floats[: len(params)]
-            if self.follow_gradient_scale:
-                self.record_grad_sq(params, floats[len(params) :])
-            for group, p, view in results:
-                self.implied_gradient(group, p, view)
-            self.norm_proxy(params, [v for _, _, v in results], mean_sq)  # as the hook does, so that
-            # back into the combined buffer: one parameter's worth of scratch at a time
-            results = [(g, p, v.copy_(self._undo_norm_proxy(p, v))) for g, p, v in results]  # both agree
-        return results
-
-    def _undo_norm_proxy(self, p: Tensor, value: Tensor) -> Tensor:
-        """The implied gradient back from what :meth:`norm_proxy` handed on (and clipping left).
-
-        If clipping cut it to less than ``_SPIKE_CLIP`` of its norm (a spike, not the routine
-        clipping of a run whose gradients hover above the threshold), the error-feedback buffers
-        of ``p`` are scaled by the same factor: they hold the rest of this step's message, and the
-        spike left there would otherwise flow into the next steps' messages, past the clipping.
-        Routine clipping leaves them alone: scaling them on every step discards the compression
-        residuals error feedback needs. The fraction is noted here and acted on by
-        :meth:`_contain_spikes`, which reads all of a step's fractions on the host at once.
-        """
-        entry = self._norm_proxy_factors.pop(p, None)
-        if entry is None:
-            return value
-        factor, handed_norm = entry
-        clipped = torch.linalg.vector_norm(value.float()) / handed_norm
-        self._kept_fraction[p] = _kept(clipped)
-        self._clip_fractions.append((p, clipped))
-        return value / factor.to(value.dtype)
-
-    def _contain_spikes(self) -> None:
-        """Scale the error buffers of the parameters :meth:`_undo_norm_proxy` found spiked.
-
-        One host read per step (a GPU sync), not one per parameter; per-parameter reads only on a
-        step with a spike.
-        """
-        pending, self._clip_fractions = self._clip_fractions, []
-        if not pending:
-            return
-        home = pending[0][1].device
-        if not bool(torch.stack([f.to(home) for _, f in pending]).lt(_SPIKE_CLIP).any()):
-            return
-        for p, clipped in pending:
-            if bool(clipped < _SPIKE_CLIP):
-                state = self.state[p]
-                for key in _FP32_STATE:
-                    if key in state:
-                        state[key].mul_(clipped)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -914,102 +567,3 @@ class CompressedAdamBase(Optimizer):
         """
         self.communicated_step = None
         super().zero_grad(set_to_none=set_to_none)
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Torch's optimizer state plus the schedule counters and this rank's identity.
-
-        Per-parameter state includes this rank's error buffers; save one file per rank to keep
-        them (they differ between ranks): ``worker_error`` shaped like the parameter, and
-        ``server_error``, one-dimensional, only the elements this rank serves, which start at
-        element ``server_error_start`` of the flattened parameter (see :mod:`._flat`). Everything is
-        plain tensors, numbers and strings, so it loads with ``torch.load(..., weights_only=True)``.
-        """
-        sd = super().state_dict()
-        sd[_STATE_KEY] = {
-            "optimizer": type(self).__name__,
-            "schedule": dict(self.schedule),
-            "hyperparameters": {name: getattr(self, name) for name in self.schedule_params},
-            "world_size": self.comm.world_size,
-            "rank": self.comm.rank,
-        }
-        return sd
-
-    def defer_rank_state(self, state_dict: dict[str, Any]) -> None:
-        """Make the next :meth:`load_state_dict` load ``state_dict`` instead of the state it is given.
-
-        For frameworks that hand every rank the state saved by rank 0 (``accelerate``'s
-        ``load_state``): each rank defers its own saved state first, keeping its error buffers.
-        """
-        self._deferred_state = state_dict
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`; error buffers from another world size or rank are reset.
-
-        Checkpoints of earlier versions, whose ``server_error`` entries are full-size, load too.
-        """
-        deferred, self._deferred_state = getattr(self, "_deferred_state", None), None
-        state_dict = dict(deferred if deferred is not None else state_dict)
-        extra = state_dict.pop(_STATE_KEY, None)
-        if extra is None:
-            raise ValueError(
-                f"this state dict was not saved by a hf_zeroone optimizer; {type(self).__name__} "
-                "needs its schedule counters (start a fresh optimizer instead)"
-            )
-        if extra.get("optimizer") != type(self).__name__:
-            raise ValueError(
-                f"state dict was saved by {extra.get('optimizer')}, cannot load it into {type(self).__name__}"
-            )
-        saved = extra.get("hyperparameters", {})
-        mine = {name: getattr(self, name) for name in self.schedule_params}
-        differing = {name: (saved[name], mine[name]) for name in mine if name in saved and saved[name] != mine[name]}
-        if differing:
-            listing = ", ".join(f"{n}: checkpoint {a!r}, this optimizer {b!r}" for n, (a, b) in differing.items())
-            fix = ", ".join(f"{n}={a!r}" for n, (a, _) in differing.items())
-            raise ValueError(
-                f"{type(self).__name__}: the checkpoint's schedule differs from this optimizer's ({listing}). "
-                "Resuming on another schedule would restart phases whose state is gone; build the optimizer "
-                f"with the checkpoint's values ({fix}), e.g. pass them explicitly to the Trainer, or start afresh."
-            )
-        same_rank = extra.get("world_size") == self.comm.world_size and extra.get("rank") == self.comm.rank
-        if not same_rank:
-            warnings.warn(
-                f"{type(self).__name__}: checkpoint saved on rank {extra.get('rank')} of "
-                f"{extra.get('world_size')}, loading on rank {self.comm.rank} of {self.comm.world_size}: "
-                "error-feedback buffers reset to zero (momentum, variance and schedule are kept)",
-                UserWarning,
-                stacklevel=2,
-            )
-            state_dict["state"] = {
-                k: {n: v for n, v in s.items() if n not in ERROR_STATE} for k, s in state_dict["state"].items()
-            }
-        if any("momentum_accumulator" in s for s in state_dict["state"].values()):
-            raise ValueError(
-                "this checkpoint comes from an earlier development version of hf_zeroone whose 0/1 Adam "
-                "accumulated local updates in momentum space ('momentum_accumulator'); it cannot be resumed "
-                "exactly. Resume from a checkpoint taken before var_freeze_step, or start the optimizer afresh."
-            )
-        # torch casts every floating-point state tensor to its parameter's dtype; the error buffers
-        # stay float32 (a bf16 model keeps fp32 error feedback), so they are restored here.
-        errors = {k: {n: v for n, v in s.items() if n in ERROR_STATE} for k, s in state_dict["state"].items()}
-        scales = {
-            k: {n: v for n, v in s.items() if n in _grad_scale.STATE_KEYS} for k, s in state_dict["state"].items()
-        }
-        state_dict["state"] = {
-            k: {n: v for n, v in s.items() if n not in _FP32_ON_LOAD} for k, s in state_dict["state"].items()
-        }
-        super().load_state_dict(state_dict)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for saved_id, p in zip(saved_ids, params):
-            restore_errors(self.state[p], p, errors.get(saved_id, {}))
-            for name, value in scales.get(saved_id, {}).items():
-                self.state[p][name] = value.to(device=p.device, dtype=torch.float32, copy=True)
-        for state in self.state.values():
-            for name in ("momentum_mask", "pending_rows"):  # booleans, cast to the parameter's dtype by torch
-                if name in state:
-                    state[name] = state[name] != 0
-        self.schedule = dict(extra["schedule"])
-        self._flat_cache.clear()
-        self._prepared_step = -1
-        self.communicated_step = None

@@ -42,12 +42,15 @@ are bit for bit those of before.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["factor", "sample"]
+from hf_zeroone.optim._step_kind import StepKind
+
+__all__ = ["GradScaleMixin", "factor", "kept_fraction", "sample"]
 
 _S, _REF = "grad_sq", "grad_sq_ref"
 #: state entries of this module (float32 scalars, kept float32 through checkpoints)
@@ -97,3 +100,85 @@ def factor(state: dict[str, Any], beta2: float, updates: int, bias_correction: b
         return None
     current = state[_S] / _correction(beta2, updates, bias_correction)
     return torch.where(ref > 0, current / torch.where(ref > 0, ref, torch.ones_like(ref)), torch.ones_like(ref))
+
+
+def kept_fraction(ratio: Tensor) -> Tensor:
+    """The fraction of a gradient's norm that clipping kept: exactly 1 unless it was cut.
+
+    ``ratio`` is the norm after clipping over the norm handed on; two norms of the same values
+    can differ in the last bit (a different summation order), which must not count as clipping.
+    """
+    return torch.where(ratio > 1.0 - 1e-5, torch.ones_like(ratio), ratio)
+
+
+class GradScaleMixin:
+    """The optimizer's side of ``follow_gradient_scale``: samples from the gradients, folded in before each update."""
+
+    state: Any
+    schedule: dict[str, Any]
+
+    def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
+        """Each local gradient's squared norm once normalised by the current variance, as one float32 vector.
+
+        ``sum_j g_j^2 / (sqrt(v_j / c2) + eps)^2`` over the elements with a variance (``v_j > 0``): how
+        large the gradient is *relative to* what ``v`` expects, element by element, so that a few
+        elements with large gradients do not speak for the whole tensor. Averaged over ranks, it
+        is the sample of :mod:`hf_zeroone.optim._grad_scale`.
+        """
+        out = []
+        for p, g in zip(params, grads):
+            state = self.state.get(p, {})
+            v = state.get("exp_avg_sq")
+            if g is None or v is None:
+                out.append(torch.zeros((), dtype=torch.float32, device=p.device))
+                continue
+            group = self.group_of(p)
+            k = self.schedule["variance_updates"]
+            c2 = 1.0 - group["betas"][1] ** k if group["bias_correction"] and k > 0 else 1.0
+            v = v.float()
+            normalised = g.float() / v.div(c2).sqrt_().add_(group["eps"])
+            out.append(torch.where(v > 0, normalised.square_(), 0.0).sum())
+        return torch.stack(out)
+
+    def record_grad_sq(
+        self, params: Sequence[Tensor], mean_sq_norms: Tensor, handed_norms: Sequence[Tensor] | None = None
+    ) -> None:
+        """Note this step's mean over ranks of each :meth:`scale_samples` (and the norms handed on as ``p.grad``).
+
+        Called by whoever combined the gradients (``step()`` or the DDP hook) on the steps that
+        sample the gradient's scale (see :mod:`hf_zeroone.optim._grad_scale`).
+        """
+        for i, p in enumerate(params):
+            self._grad_sq_samples[p] = (mean_sq_norms[i], None if handed_norms is None else handed_norms[i])
+
+    def _sample_grad_scale(self, kind: StepKind, updates: list[tuple[dict[str, Any], Tensor, Tensor]]) -> None:
+        """Fold this step's gradient scale into each tensor's running mean square (before the update)."""
+        samples, self._grad_sq_samples = self._grad_sq_samples, {}
+        kept_fractions, self._kept_fraction = self._kept_fraction, {}
+        if not self.follow_gradient_scale or kind is StepKind.ONEBIT_GRADIENT or self.schedule["variance_updates"] == 0:
+            return  # v is not updated on these steps; before the first update there is no v to compare with
+        count = self.schedule.get("grad_sq_updates", 0) + 1
+        self.schedule["grad_sq_updates"] = count
+        for group, p, value in updates:
+            if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):  # this rank's own gradient, as used
+                mean_sq, handed = self.scale_samples([p], [value])[0], None
+            elif p in samples:
+                mean_sq, handed = samples[p]
+            else:
+                continue
+            kept: Tensor | float = 1.0
+            if p in kept_fractions:
+                kept = kept_fractions[p]
+            elif handed is not None:  # clipped after the hook handed it on
+                norm = torch.linalg.vector_norm(value, dtype=torch.float32)
+                kept = kept_fraction(norm / torch.where(handed > 0, handed, 1.0))
+            sample(
+                self.state[p],
+                p,
+                mean_sq,
+                kept,
+                group["betas"][1],
+                count,
+                group["bias_correction"],
+                variance_step=kind is StepKind.EXACT,
+            )

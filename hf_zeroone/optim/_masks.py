@@ -25,7 +25,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_zeroone.optim._flat import refresh_layout
+from hf_zeroone.optim._step_kind import StepKind
+
 __all__ = [
+    "MomentumMaskMixin",
     "activity_flags",
     "clear_activity",
     "known_variance",
@@ -110,3 +114,64 @@ def scatter_flags(state: dict[str, Any], flags: Tensor) -> Tensor:
     released = torch.zeros_like(masked)
     released[masked] = flags > 0
     return released
+
+
+class MomentumMaskMixin:
+    """Building the masks at the first compressed step, releasing rows as ranks agree they are used."""
+
+    state: Any
+    schedule: dict[str, Any]
+
+    def _build_momentum_masks(self) -> None:
+        """Fix, once, which elements take part in compression (see ``auto_momentum_mask``)."""
+        for group, p in self.trainable_params():
+            state = self.state[p]
+            mask = None
+            if self.auto_momentum_mask:
+                nonzero = state["exp_avg_sq"] != 0
+                if not bool(nonzero.all()):
+                    mask = nonzero
+            user = group.get("exp_avg_mask")
+            if user is not None:
+                user_mask = torch.broadcast_to(user.to(p.device) != 0, p.shape)
+                mask = user_mask if mask is None else mask & user_mask
+            if mask is not None:
+                state["momentum_mask"] = mask.clone()
+        self.schedule["masks_ready"] = True
+        self._flat_cache.clear()
+
+    def _release_masked_rows(self, kind: StepKind) -> None:
+        """Unmask the rows that received a gradient on any rank (see :mod:`hf_zeroone.optim._masks`)."""
+        masked = [(g, p, self.state[p]) for g, p in self.trainable_params() if "momentum_mask" in self.state[p]]
+        if not masked:
+            return
+        if kind is StepKind.EXACT:  # exact gradients updated v: it says which rows had one
+            released = [released_by_variance(s) for _, _, s in masked]
+        else:
+            flags = [activity_flags(s) for _, _, s in masked]
+            agreed = torch.cat(flags)
+            if self.comm.is_distributed:
+                agreed = self.comm.allreduce_mean(agreed)
+            released = [scatter_flags(s, f) for (_, _, s), f in zip(masked, agreed.split([len(f) for f in flags]))]
+        everywhere = None  # mean known variance over all tensors, computed only if needed
+        changed: set[int] = set()
+        for (group, p, state), rows in zip(masked, released):
+            clear_activity(state)
+            if not bool(rows.any()):
+                continue
+            total, count = known_variance(state)
+            if count == 0:  # no element of this tensor has a variance: the mean of all tensors
+                if everywhere is None:
+                    sums = [known_variance(self.state[q]) for _, q in self.trainable_params()]
+                    n = sum(c for _, c in sums)
+                    everywhere = sum(t for t, _ in sums) / n if n else 0.0
+                total, count = everywhere, 1
+            if total == 0.0:
+                continue
+            user = group.get("exp_avg_mask")
+            user_mask = None if user is None else torch.broadcast_to(user.to(p.device) != 0, p.shape)
+            release_rows(state, rows, user_mask, total / count)
+            changed.add(id(p))
+        for entry in self._flat_cache.values():  # same positions, new masks: the buffers stay
+            if changed.intersection(map(id, entry.params)):
+                refresh_layout(entry, lambda q: self.state[q])

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hf_zeroone.comm import Communicator
-from hf_zeroone.optim._base import CompressedAdamBase, StepKind, _check_int
+from hf_zeroone.optim._base import CompressedAdamBase
+from hf_zeroone.optim._step_kind import StepKind, _check_int
 
 __all__ = ["OneBitAdam"]
 

@@ -7,7 +7,14 @@
 from hf_zeroone.comm import CommStats, Communicator
 from hf_zeroone.compression import ChunkLayout
 from hf_zeroone.ddp_hook import ZeroOneHookState, register_zeroone_hook, zeroone_hook
-from hf_zeroone.optim import CompressedAdamBase, OneBitAdam, StepKind, ZeroOneAdam, recommended_freeze_step
+from hf_zeroone.optim import (
+    CompressedAdamBase,
+    OneBitAdam,
+    StepKind,
+    ZeroOneAdam,
+    recommended_freeze_step,
+    recommended_local_steps,
+)
 
 __version__ = "0.1.0"
 
@@ -36,6 +43,7 @@ __all__ = [
     "__version__",
     "prepare_zeroone",
     "recommended_freeze_step",
+    "recommended_local_steps",
     "register_zeroone_hook",
     "zeroone_hook",
 ]

@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from hf_zeroone.optim import recommended_freeze_step
+from hf_zeroone.optim import recommended_freeze_step, recommended_local_steps
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -187,6 +187,7 @@ def make_spec(args: SuiteArguments, workload: str, optimizer: str, data: Path, r
             freeze = recommended_freeze_step(steps, warm)
         elif optimizer == "zeroone_adam":
             freeze = recommended_freeze_step(steps, 2 * warm)
+            spec.update(recommended_local_steps(steps, freeze))
         spec.update(steps=steps, warmup_steps=warm, freeze_step=freeze, lr=args.lm_lr, batch_size=args.lm_batch_size)
         spec.update(hidden_size=args.lm_hidden_size, num_layers=args.lm_num_layers, num_heads=args.lm_num_heads)
         spec.update(max_grad_norm=args.lm_max_grad_norm, eval_size=args.lm_eval_sequences)

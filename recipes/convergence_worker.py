@@ -5,7 +5,8 @@ spec the suite wrote (``python recipes/convergence_worker.py RUN_DIR/spec.json``
 ``RUN_DIR/result.json``. Not meant to be run by hand, but it can be, with such a spec.
 
 Optimizers, each built the way a new user would build it (only the learning rate, its schedule,
-the run length and ``freeze_step`` / ``var_freeze_step``; everything else is the package's
+the run length, ``freeze_step`` / ``var_freeze_step`` and, for 0/1 Adam on the language models, its
+local-step schedule as the README recommends; everything else is the package's
 default at run time):
 
 * ``adamw``: ``torch.optim.AdamW`` on plain DDP. DDP's allreduce runs through torch's own
@@ -121,7 +122,8 @@ def make_optimizer(name: str, params, spec: dict):
     if name == "onebit_adam":
         return OneBitAdam(params, freeze_step=spec["freeze_step"], **common)
     if name == "zeroone_adam":
-        return ZeroOneAdam(params, var_freeze_step=spec["freeze_step"], **common)
+        local = {k: spec[k] for k in ("local_step_scaler", "local_step_clipper") if k in spec}
+        return ZeroOneAdam(params, var_freeze_step=spec["freeze_step"], **local, **common)
     return torch.optim.AdamW(params, **common)
 
 

@@ -70,9 +70,13 @@ class PretrainArguments:
     )
     var_update_scaler: int = field(default=16, metadata={"help": "0/1 Adam kappa."})
     local_step_scaler: int | None = field(
-        default=None, metadata={"help": "0/1 Adam sync-gap doubling period (default: max_steps // 30)."}
+        default=None,
+        metadata={"help": "0/1 Adam sync-gap doubling period (default: from recommended_local_steps)."},
     )
-    local_step_clipper: int = field(default=16, metadata={"help": "0/1 Adam largest sync gap."})
+    local_step_clipper: int | None = field(
+        default=None,
+        metadata={"help": "0/1 Adam largest sync gap (default: 16, at most a sixteenth of the local phase)."},
+    )
     exact_warmup_steps: int | None = field(
         default=None, metadata={"help": "0/1 Adam exact steps at the start (default: warmup_steps)."}
     )
@@ -208,7 +212,7 @@ def build_model(args: PretrainArguments, tokenizer):
 
 
 def build_optimizer(args: PretrainArguments, model: torch.nn.Module) -> torch.optim.Optimizer:
-    from hf_zeroone import OneBitAdam, ZeroOneAdam, recommended_freeze_step
+    from hf_zeroone import OneBitAdam, ZeroOneAdam, recommended_freeze_step, recommended_local_steps
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -220,16 +224,19 @@ def build_optimizer(args: PretrainArguments, model: torch.nn.Module) -> torch.op
         freeze = args.freeze_step or recommended_freeze_step(args.max_steps, warm)
         return OneBitAdam(groups, lr=args.learning_rate, freeze_step=freeze)
     if args.optimizer == "zeroone_adam":
+        var_freeze = args.var_freeze_step
+        if var_freeze is None:
+            var_freeze = recommended_freeze_step(args.max_steps, 2 * warm)
+        local = recommended_local_steps(args.max_steps, var_freeze, args.local_step_clipper)
+        if args.local_step_scaler is not None:
+            local["local_step_scaler"] = args.local_step_scaler
         return ZeroOneAdam(
             groups,
             lr=args.learning_rate,
-            var_freeze_step=recommended_freeze_step(args.max_steps, 2 * warm)
-            if args.var_freeze_step is None
-            else args.var_freeze_step,
+            var_freeze_step=var_freeze,
             var_update_scaler=args.var_update_scaler,
-            local_step_scaler=args.local_step_scaler or max(1, args.max_steps // 30),
-            local_step_clipper=args.local_step_clipper,
             exact_warmup_steps=args.exact_warmup_steps if args.exact_warmup_steps is not None else warm,
+            **local,
         )
     return torch.optim.AdamW(groups, lr=args.learning_rate)
 

@@ -341,6 +341,23 @@ def test_non_finite_gradient_on_a_communicating_step_is_skipped():
     assert torch.equal(p.detach(), torch.ones(3)) and opt.schedule["step"] == 0
 
 
+def test_recommended_local_steps_keep_short_runs_syncing_often():
+    from hf_zeroone import recommended_local_steps
+
+    # long runs: the paper's largest gap, reached a quarter of the way into the local phase
+    assert recommended_local_steps(1000, 200) == {"local_step_scaler": 50, "local_step_clipper": 16}
+    assert recommended_local_steps(100_000, 20_000) == {"local_step_scaler": 5000, "local_step_clipper": 16}
+    # the suite's 90-step fine-tuning run (72 local-phase steps): gap 4 at most, not 16
+    assert recommended_local_steps(90, 18) == {"local_step_scaler": 9, "local_step_clipper": 4}
+    # at most a sixteenth of the phase, rounded down to a power of two (300 - 60 = 240: 15 -> 8)
+    assert recommended_local_steps(300, 60) == {"local_step_scaler": 20, "local_step_clipper": 8}
+    assert recommended_local_steps(10, 10) == {"local_step_scaler": 1, "local_step_clipper": 1}  # no local phase
+    assert recommended_local_steps(90, 18, local_step_clipper=16)["local_step_clipper"] == 16  # explicit: kept
+    for bad, match in [((0, 0), "num_training_steps"), ((10, -1), "var_freeze_step"), ((10, 2, 0), "clipper")]:
+        with pytest.raises(ValueError, match=match):
+            recommended_local_steps(*bad)
+
+
 def test_recommended_freeze_step_is_the_later_of_the_warmup_and_a_fifth_of_the_run():
     from hf_zeroone import recommended_freeze_step
 

@@ -250,6 +250,10 @@ def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
         "local_step_scaler": 50,  # (1000 - 200) // (4 * log2(16)): the gap reaches 16 a quarter into the local phase
         "local_step_clipper": 16,
     }
+    # a 90-step run (freeze at 2 x 10, 70 local-phase steps): the largest gap is 4 (70 // 16), not 16,
+    # and the gap doubles every 70 // (4 * 2) steps
+    short = args.compression_schedule(90)
+    assert (short["var_freeze_step"], short["local_step_clipper"], short["local_step_scaler"]) == (20, 4, 8)
     help_text = HfArgumentParser(ZeroOneTrainingArguments).format_help()
     assert "1-bit Adam: exact steps before compression" in help_text
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 
 from transformers import TrainingArguments
 
-from hf_zeroone.optim import recommended_freeze_step
+from hf_zeroone.optim import recommended_freeze_step, recommended_local_steps
 
 OPTIMIZER_CHOICES = ("adamw_torch", "onebit_adam", "zeroone_adam")
 
@@ -25,7 +25,9 @@ class ZeroOneTrainingArguments(TrainingArguments):
     10% of the training steps when there is no warm-up), with
     :func:`hf_zeroone.optim.recommended_freeze_step` (the later of its argument and 20% of the run):
     ``freeze_step = recommended_freeze_step(T, W)`` for 1-bit Adam; ``exact_warmup_steps = W`` and
-    ``var_freeze_step = recommended_freeze_step(T, 2 W)`` for 0/1 Adam.
+    ``var_freeze_step = recommended_freeze_step(T, 2 W)`` for 0/1 Adam, whose ``local_step_scaler`` and
+    ``local_step_clipper`` come from :func:`hf_zeroone.optim.recommended_local_steps` (the largest sync
+    gap 16 but at most a sixteenth of the local phase, reached a quarter of the way into it).
 
     ``warmup_ratio`` works on every supported transformers version: 4.x has the field; on 5.x,
     which dropped it (there a ``warmup_steps`` below 1 is a ratio), this class adds it and passes
@@ -67,9 +69,12 @@ class ZeroOneTrainingArguments(TrainingArguments):
             "DeepSpeed's default is 32678)."
         },
     )
-    local_step_clipper: int = field(
-        default=16,
-        metadata={"help": "0/1 Adam: largest gap between syncs in the local phase."},
+    local_step_clipper: int | None = field(
+        default=None,
+        metadata={
+            "help": "0/1 Adam: largest gap between syncs in the local phase (default: 16, the paper's H, but at "
+            "most a sixteenth of the local phase, so that short runs still sync often)."
+        },
     )
     exact_warmup_steps: int | None = field(
         default=None,
@@ -149,15 +154,13 @@ class ZeroOneTrainingArguments(TrainingArguments):
         if self.optim_compression == "zeroone_adam":
             derived = recommended_freeze_step(num_training_steps, 2 * warmup)
             var_freeze = derived if self.var_freeze_step is None else self.var_freeze_step
-            scaler = self.local_step_scaler
-            if scaler is None:  # the gap doubles log2(clipper) times within the first quarter of the local phase
-                doublings = max(1, math.ceil(math.log2(max(2, self.local_step_clipper))))
-                scaler = max(1, (num_training_steps - var_freeze) // (4 * doublings))
+            local = recommended_local_steps(num_training_steps, var_freeze, self.local_step_clipper)
+            if self.local_step_scaler is not None:
+                local["local_step_scaler"] = self.local_step_scaler
             return {
                 "var_freeze_step": var_freeze,
                 "exact_warmup_steps": warmup if self.exact_warmup_steps is None else self.exact_warmup_steps,
                 "var_update_scaler": self.var_update_scaler,
-                "local_step_scaler": scaler,
-                "local_step_clipper": self.local_step_clipper,
+                **local,
             }
         return {}

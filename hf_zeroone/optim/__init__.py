@@ -2,12 +2,18 @@
 
 from hf_zeroone.optim._base import CompressedAdamBase, StepKind
 from hf_zeroone.optim._memory import bytes_per_parameter, documented_bytes_per_param, state_bytes
-from hf_zeroone.optim._schedule import FREEZE_PERCENT, recommended_freeze_step
+from hf_zeroone.optim._schedule import (
+    FREEZE_PERCENT,
+    LOCAL_PHASE_SYNCS,
+    recommended_freeze_step,
+    recommended_local_steps,
+)
 from hf_zeroone.optim.onebit_adam import OneBitAdam
 from hf_zeroone.optim.zeroone_adam import ZeroOneAdam
 
 __all__ = [
     "FREEZE_PERCENT",
+    "LOCAL_PHASE_SYNCS",
     "CompressedAdamBase",
     "OneBitAdam",
     "StepKind",
@@ -15,5 +21,6 @@ __all__ = [
     "bytes_per_parameter",
     "documented_bytes_per_param",
     "recommended_freeze_step",
+    "recommended_local_steps",
     "state_bytes",
 ]

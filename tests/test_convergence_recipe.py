@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -99,3 +100,15 @@ def test_finetune_seed_reaches_the_trainer(tmp_path):
         args = convergence_finetune.training_arguments(spec)
         assert args.seed == seed
         assert args.optim_compression == "zeroone_adam" and args.max_grad_norm == 1.0  # Trainer defaults
+
+
+def test_finetune_head_is_seeded():
+    """Two runs of one spec, and every optimizer of one suite run, start from the same head."""
+    _load_suite()
+    import convergence_finetune
+
+    labels = list(convergence_finetune.PACKAGES)
+    first, again = (convergence_finetune.pretrained_classifier(labels, seed=0) for _ in range(2))
+    other = convergence_finetune.pretrained_classifier(labels, seed=1)
+    assert torch.equal(first.classifier.weight, again.classifier.weight)
+    assert not torch.equal(first.classifier.weight, other.classifier.weight)

@@ -15,10 +15,11 @@ later of the end of the LR warm-up and :data:`FREEZE_PERCENT` % of the run.
 0/1 Adam's local phase (from ``var_freeze_step`` to the end) syncs with a gap that starts at 1
 and doubles every ``local_step_scaler`` steps up to ``local_step_clipper``.
 :func:`recommended_local_steps` lets the gap reach its largest value a quarter of the way into the
-local phase, and keeps that largest gap to at most :data:`LOCAL_PHASE_SYNCS` th of the phase, so a
+local phase, and keeps that largest gap to at most ``1 / LOCAL_PHASE_SYNCS`` of the phase, so a
 short run still syncs often. On the 90-step fine-tuning run of ``recipes/convergence.py`` (72
-local-phase steps) a gap of 16, reached at step 34, cost 0/1 Adam 7.0 and 1.6 accuracy points
-against AdamW on two seeds; capped at 4 by this rule, +1.9 and 0.0 (see the README).
+local-phase steps) a gap of 16, reached at step 34, left 0/1 Adam 3.17, 2.22 and 1.90 accuracy
+points below AdamW on three seeds; capped at 4 by this rule: -0.95, +2.22 and -1.59 (mean -0.11;
+paired, seeded runs, see the README).
 """
 
 from __future__ import annotations

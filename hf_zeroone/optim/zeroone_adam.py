@@ -86,7 +86,7 @@ class ZeroOneAdam(CompressedAdamBase):
             :func:`~hf_zeroone.optim.recommended_local_steps` gives this and ``local_step_clipper``.
         local_step_clipper: largest sync gap (:math:`H` in the paper). In a short run keep it to a
             sixteenth of the local phase or less (what ``recommended_local_steps`` does): on a
-            90-step fine-tuning run a gap of 16 cost 0/1 Adam up to 7 accuracy points.
+            90-step fine-tuning run a gap of 16 cost 0/1 Adam 1.9-3.2 accuracy points.
         exact_warmup_steps: number of first steps that are all exact variance steps. 0/1 Adam
             sends 1-bit gradients from its second variance gap on; in short fine-tuning or
             language-model runs that can stall on an early plateau that Adam escapes (+22.6% final

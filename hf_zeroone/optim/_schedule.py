@@ -76,5 +76,5 @@ def recommended_local_steps(
         largest = max(1, min(16, local // LOCAL_PHASE_SYNCS))
         local_step_clipper = 2 ** (largest.bit_length() - 1)  # a power of two: the gap doubles up to it
     _check_steps("local_step_clipper", local_step_clipper, 1, "the largest sync gap")
-    doublings = max(1, math.ceil(math.log2(local_step_clipper))) if local_step_clipper > 1 else 1
+    doublings = max(1, math.ceil(math.log2(local_step_clipper)))  # a clipper of 1: no local steps
     return {"local_step_scaler": max(1, local // (4 * doublings)), "local_step_clipper": local_step_clipper}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convergence suite: AdamW, PowerSGD, 1-bit Adam and 0/1 Adam with default settings, four workloads.
 
-One command, offline, CPU (gloo), about 30-45 minutes on two cores::
+One command, offline, CPU (gloo), about 50 minutes on two cores::
 
     python recipes/convergence.py --output_dir outputs/convergence
 
@@ -9,7 +9,10 @@ Workloads (``--workloads``, comma-separated):
 
 * ``finetune``: the offline all-MiniLM-L6-v2 fine-tuned by ``ZeroOneTrainer`` (Trainer defaults
   plus lr, epochs, warm-up) to tell which stdlib package a docstring comes from (5 classes, real
-  text; see ``convergence_finetune.py``); metric: held-out accuracy. 2 ranks.
+  text; see ``convergence_finetune.py``); metric: held-out accuracy. 2 ranks. One run per optimizer
+  and seed of ``--finetune_seeds`` (0,1,2): a single seed's accuracy scatters about 2 points either
+  way around AdamW's, so the row is the mean over the seeds and its goal is decided on the mean of
+  the paired differences (every optimizer of one seed starts from the same model and data).
 * ``clm``: GPT-2-style causal LM pre-training, ``mlm``: BERT-style masked LM pre-training, on the
   embedded corpus and BPE tokenizer of ``pretrain.py`` (stdlib docstrings); metric: held-out
   loss (fixed sequences and masks). 2 ranks.
@@ -26,9 +29,10 @@ Optimizers (``--optimizers``) get only user-level settings: lr and its schedule,
 every other knob is the package's default at run time. PowerSGD is torch's hook at rank 4 with
 AdamW. How bytes and rounds are counted: ``convergence_worker.py``.
 
-Writes ``results.md`` (table + goals), ``results.json``, ``<workload>.png`` (loss curves) and
-``runs/<workload>/<optimizer>/run.log`` (each run is a ``torchrun --standalone`` subprocess) into
-``--output_dir``. ``--quick`` shrinks everything (smoke test).
+Writes ``results.md`` (table + goals; finetune also seed by seed), ``results.json``,
+``<workload>.png`` (loss curves) and ``runs/<workload>/<optimizer>/run.log`` (finetune:
+``runs/finetune/seed<S>/<optimizer>/``; each run is a ``torchrun --standalone`` subprocess) into
+``--output_dir``. ``--quick`` shrinks everything (smoke test; one finetune seed).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from hf_zeroone.optim import recommended_freeze_step, recommended_local_steps
@@ -47,12 +51,9 @@ from hf_zeroone.optim import recommended_freeze_step, recommended_local_steps
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from convergence_report import OPTIMIZERS, markdown, mean_over_seeds, plot  # noqa: E402 - needs the path
+
 WORKLOADS = ("finetune", "clm", "mlm", "lsq")
-OPTIMIZERS = ("adamw", "powersgd", "onebit_adam", "zeroone_adam")
-LABELS = {"adamw": "AdamW", "powersgd": "PowerSGD r4 + AdamW", "onebit_adam": "1-bit Adam", "zeroone_adam": "0/1 Adam"}
-GOAL_LOSS = {"clm": 1.01, "mlm": 1.01, "lsq": 1.25}  # final loss at most this times AdamW's
-GOAL_ACC_POINTS = 0.5  # fine-tuning accuracy at most this many points below AdamW's
-GOAL_ROUNDS, GOAL_BYTES, GOAL_MIN_STEPS = 0.4, 0.8, 1000  # 0/1 Adam against 1-bit Adam
 
 
 @dataclass
@@ -67,7 +68,15 @@ class SuiteArguments:
     nproc: int = field(default=2, metadata={"help": "Ranks for finetune, clm and mlm."})
     lsq_nproc: int = field(default=3, metadata={"help": "Ranks for lsq."})
     timeout: int = field(default=1800, metadata={"help": "Seconds one run may take before it is killed."})
-    seed: int = field(default=0, metadata={"help": "Seed for data, initialisation and order."})
+    seed: int = field(default=0, metadata={"help": "clm, mlm, lsq: seed for data, initialisation and order."})
+    finetune_seeds: str = field(
+        default="0,1,2",
+        metadata={
+            "help": "Comma-separated seeds for finetune, one run per optimizer and seed (each seed its own "
+            "split, head and data order; every optimizer of a seed starts from the same model and data). Its "
+            "row is the mean over the seeds and its goal is decided on the mean of the paired differences."
+        },
+    )
     follow_gradient_scale: bool = field(
         default=True,
         metadata={
@@ -124,6 +133,13 @@ class SuiteArguments:
             if bad or not items:
                 raise ValueError(f"--{name}: unknown {bad or 'empty list'}; choose from {', '.join(allowed)}")
             setattr(self, name, ",".join(items))
+        try:
+            seeds = [int(x) for x in self.finetune_seeds.split(",") if x.strip()]
+        except ValueError:
+            seeds = []
+        if not seeds or len(set(seeds)) != len(seeds):
+            raise ValueError(f"--finetune_seeds: want distinct integers such as 0,1,2, got {self.finetune_seeds!r}")
+        self.finetune_seeds = ",".join(map(str, seeds))
         if self.quick:
             defaults = {f.name: f.default for f in fields(self)}
             for key, value in QUICK.items():
@@ -133,7 +149,8 @@ class SuiteArguments:
 
 QUICK = dict(clm_steps=24, mlm_steps=24, lm_batch_size=4, lm_seq_len=32, lm_hidden_size=32, lm_eval_sequences=16,
              corpus_chars=150_000, vocab_size=512, finetune_epochs=1.0, finetune_per_class=12,
-             finetune_max_length=32, lsq_steps=64, lsq_freeze_step=20, lsq_weight_std=0.1, timeout=300)  # fmt: skip
+             finetune_max_length=32, finetune_seeds="0", lsq_steps=64, lsq_freeze_step=20, lsq_weight_std=0.1,
+             timeout=300)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ data
@@ -157,19 +174,26 @@ def prepare_lm_data(args: SuiteArguments, out: Path) -> Path:
     return data
 
 
-def prepare_finetune_data(args: SuiteArguments, out: Path) -> Path:
+def prepare_finetune_data(args: SuiteArguments, out: Path, seed: int) -> Path:
     from convergence_finetune import docstring_dataset
 
-    data = out / "data" / "finetune"
+    data = out / "data" / f"finetune_seed{seed}"
     data.mkdir(parents=True, exist_ok=True)
-    ds = docstring_dataset(per_class=args.finetune_per_class, eval_fraction=args.finetune_eval_fraction, seed=args.seed)
+    ds = docstring_dataset(per_class=args.finetune_per_class, eval_fraction=args.finetune_eval_fraction, seed=seed)
     (data / "docstrings.json").write_text(json.dumps(ds))
     return data
 
 
-def make_spec(args: SuiteArguments, workload: str, optimizer: str, data: Path, run_dir: Path) -> dict:
+def make_spec(
+    args: SuiteArguments, workload: str, optimizer: str, data: Path, run_dir: Path, seed: int | None = None
+) -> dict:
+    """One run's settings; ``seed`` (finetune: one of ``--finetune_seeds``) overrides ``--seed``."""
     spec = {"workload": workload, "optimizer": optimizer, "run_dir": str(run_dir), "data_dir": str(data)}
-    spec.update(seed=args.seed, weight_decay=args.weight_decay, follow_gradient_scale=args.follow_gradient_scale)
+    spec.update(
+        seed=args.seed if seed is None else seed,
+        weight_decay=args.weight_decay,
+        follow_gradient_scale=args.follow_gradient_scale,
+    )
     if workload == "finetune":
         spec.update(lr=args.finetune_lr, epochs=args.finetune_epochs, warmup_ratio=args.finetune_warmup_ratio)
         spec.update(max_length=args.finetune_max_length, log_every=2)
@@ -237,147 +261,7 @@ def launch(spec: dict, nproc: int, timeout: float, bar) -> dict:
     return {**{k: spec[k] for k in ("workload", "optimizer")}, "error": why, "log_tail": tail, "wall_s": wall}
 
 
-# ------------------------------------------------------------------------------------ report
-def compare(results: dict) -> dict:
-    """Per run: metric difference and bytes / rounds against AdamW on the same workload."""
-    table = {}
-    for workload, runs in results.items():
-        base = runs.get("adamw")
-        for name, r in runs.items():
-            row = {"ok": "error" not in r}
-            if row["ok"] and base and "error" not in base:
-                if workload == "finetune":
-                    row["diff"] = r["metric"] - base["metric"]
-                else:
-                    row["diff"] = 100 * (r["metric"] / base["metric"] - 1)
-                row["bytes_x"] = r["bytes"] / base["bytes"] if base["bytes"] else None
-                row["rounds_x"] = r["rounds"] / base["rounds"] if base["rounds"] else None
-            table[(workload, name)] = row
-    return table
-
-
-def goals(results: dict) -> list[tuple[str, str, str, bool | None]]:
-    """(goal, run, measured, met) for every goal the runs can decide."""
-    rows = []
-    for workload, runs in results.items():
-        base = runs.get("adamw")
-        ok_base = base and "error" not in base
-        for name, r in runs.items():
-            if name == "adamw":
-                continue
-            label = f"{workload} / {LABELS[name]}"
-            if "error" in r or not ok_base:
-                rows.append(("run finished (with an AdamW baseline)", label, r.get("error", "no AdamW run"), False))
-            elif workload == "finetune":
-                diff = r["metric"] - base["metric"]
-                goal = f"accuracy >= AdamW - {GOAL_ACC_POINTS} points"
-                rows.append((goal, label, f"{diff:+.2f} points", diff >= -GOAL_ACC_POINTS))
-            else:
-                ratio = r["metric"] / base["metric"]
-                goal = f"final loss <= {GOAL_LOSS[workload]}x AdamW's"
-                rows.append((goal, label, f"{ratio:.4f}x", ratio <= GOAL_LOSS[workload]))
-        one, zo = runs.get("onebit_adam"), runs.get("zeroone_adam")
-        if one and zo and "error" not in one and "error" not in zo:
-            long_run = min(one["steps"], zo["steps"]) >= GOAL_MIN_STEPS
-            note = "" if long_run else f" (run of {zo['steps']} steps < {GOAL_MIN_STEPS}: informative only)"
-            rr, br = zo["rounds"] / one["rounds"], zo["bytes"] / one["bytes"]
-            label = f"{workload}, {zo['steps']} steps"
-            goal = f"0/1 Adam rounds <= {GOAL_ROUNDS}x 1-bit Adam's{note}"
-            rows.append((goal, label, f"{rr:.3f}x", rr <= GOAL_ROUNDS if long_run else None))
-            goal = f"0/1 Adam bytes <= {GOAL_BYTES}x 1-bit Adam's{note}"
-            rows.append((goal, label, f"{br:.3f}x", br <= GOAL_BYTES if long_run else None))
-    return rows
-
-
-def markdown(results: dict, command: str, args: SuiteArguments) -> str:
-    cmp = compare(results)
-    head = (
-        "| workload | optimizer | final metric | vs AdamW | MB sent / rank | bytes vs AdamW | rounds "
-        "| rounds vs AdamW | train loss (last 10%) | wall s |"
-    )
-    lines = [f"Command: `{command}`", "", head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for workload, runs in results.items():
-        for name, r in sorted(runs.items(), key=lambda kv: OPTIMIZERS.index(kv[0])):
-            c = cmp[(workload, name)]
-            if not c["ok"]:
-                lines.append(f"| {workload} | {LABELS[name]} | failed: {r['error']} | | | | | | | {r['wall_s']:.0f} |")
-                continue
-            unit = " pts" if workload == "finetune" else "%"
-            metric = f"{r['metric']:.2f} % acc" if workload == "finetune" else f"{r['metric']:.5g}"
-            diff = f"{c['diff']:+.2f}{unit}" if "diff" in c else "n/a"
-            bx = f"{c['bytes_x']:.3f}" if c.get("bytes_x") is not None else "n/a"
-            rx = f"{c['rounds_x']:.3f}" if c.get("rounds_x") is not None else "n/a"
-            mb = f"{r['bytes'] / 1e6:.2f}"
-            lines.append(
-                f"| {workload} | {LABELS[name]} | {metric} | {diff} | {mb} | {bx} | {r['rounds']} | {rx} "
-                f"| {r['train_loss_last10pct']:.5g} | {r['train_wall_s']:.0f} |"
-            )
-    lines += ["", GLOSSARY, "", "### Goals", "", "| goal | run | measured | |", "|---|---|---:|---|"]
-    for goal, run, measured, met in goals(results):
-        lines.append(f"| {goal} | {run} | {measured} | {'met' if met else 'n/a' if met is None else 'MISSED'} |")
-    lines += ["", "### Workloads", ""]
-    for workload, runs in results.items():
-        r = next((r for r in runs.values() if "error" not in r), None)
-        if r:
-            lines.append(f"- `{workload}`: {r['parameters']:,} parameters, {r['steps']} steps, {r['world_size']} ranks")
-    lines += ["", f"Code: {getattr(args, 'code', 'unknown')}. Settings: " + json.dumps(asdict(args))]
-    return "\n".join(lines) + "\n"
-
-
-GLOSSARY = (
-    "Final metric: held-out loss at the end (clm, mlm: fixed sequences and masks; lsq: mean squared error "
-    "on 4,096 held-out samples), held-out accuracy for finetune; rank 0's replica. vs AdamW: relative "
-    "difference of the loss, or accuracy points. MB sent / rank: what one rank put on the wire (ring model: "
-    "an allreduce of b bytes sends 2(P-1)/P b); hf_zeroone counts its own (`CommStats`), the AdamW and "
-    "PowerSGD rows count every allreduce torch's DDP hook issues. Rounds: collective calls per rank "
-    "(AdamW: one allreduce per DDP bucket per step; PowerSGD: 3 per bucket per compressed step, for the "
-    "uncompressed tensors, P and Q; hf_zeroone: `CommStats.collectives`, 2 per 1-bit allreduce). "
-    "PowerSGD runs one bucket at a time (see `convergence_worker.one_bucket_at_a_time`). "
-    "Train loss: rank 0's training loss over the last 10% of steps (finetune: the Trainer's logged `loss`, "
-    "which on 2 ranks reads about twice the mean cross-entropy: 3.2 at chance with 5 classes, ln 5 = 1.61). "
-    "Wall s: the training loop only, on a shared 2-core machine over loopback (not a network speed measure)."
-)
-
-
-def plot(results: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    for workload, runs in results.items():
-        fig, (ax_step, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4))
-        for name, r in runs.items():
-            if "error" in r:
-                continue
-            steps = [c[0] for c in r["curve"]]
-            losses = smooth([c[1] for c in r["curve"]], max(1, len(r["curve"]) // 40))
-            ax_step.plot(steps, losses, label=LABELS[name])
-            pts = [(c[2] / 1e6, y) for c, y in zip(r["curve"], losses) if c[2] > 0]
-            if pts:
-                ax_bytes.plot(*zip(*pts), label=LABELS[name])
-        ax_step.set_xlabel("step")
-        ax_bytes.set_xlabel("MB sent per rank (cumulative, log scale)")
-        ax_bytes.set_xscale("log")
-        for ax in (ax_step, ax_bytes):
-            ax.set_ylabel("training loss (rank 0, smoothed)")
-            if workload == "lsq":
-                ax.set_yscale("log")
-            ax.legend()
-        fig.suptitle(f"{workload}: loss curves")
-        fig.tight_layout()
-        fig.savefig(out / f"{workload}.png", dpi=110)
-        plt.close(fig)
-
-
-def smooth(values: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v - (values[i - window] if i >= window else 0.0)
-        out.append(acc / min(i + 1, window))
-    return out
-
-
+# ------------------------------------------------------------------------------------ main
 def code_version() -> str:
     """The commit the suite ran on, and whether ``hf_zeroone/`` had uncommitted changes then."""
     git = ["git", "-C", str(HERE.parent)]
@@ -392,8 +276,21 @@ def code_version() -> str:
     return head.stdout.strip() + (f" + uncommitted changes in {changed} hf_zeroone file(s)" if changed else "")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def run(spec: dict, nproc: int, timeout: float, desc: str) -> dict:
+    """``launch`` with a progress bar; a failure's log tail goes to stderr."""
     from tqdm.auto import tqdm
+
+    with tqdm(desc=f"{desc}/{spec['optimizer']}", unit="step", leave=True, mininterval=2.0) as bar:
+        result = launch(spec, nproc, timeout, bar)
+    if "error" in result:
+        print(
+            f"[convergence] {desc}/{spec['optimizer']} failed ({result['error']}):\n{result['log_tail']}",
+            file=sys.stderr,
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
     from transformers import HfArgumentParser
 
     argv = sys.argv[1:] if argv is None else argv
@@ -410,23 +307,29 @@ def main(argv: list[str] | None = None) -> dict:
         plot(results, out)
         print((out / "results.md").read_text())
         return results
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps({"command": command, "code": args.code, "results": results}))
+        (out / "results.md").write_text(markdown(results, command, args))
+
     for workload in args.workloads.split(","):
-        data = out
-        if workload == "finetune":
-            data = prepare_finetune_data(args, out)
-        elif workload in ("clm", "mlm"):
-            data = prepare_lm_data(args, out)
         nproc = args.lsq_nproc if workload == "lsq" else args.nproc
-        for name in args.optimizers.split(","):
-            spec = make_spec(args, workload, name, data, out / "runs" / workload / name)
-            with tqdm(desc=f"{workload}/{name}", unit="step", leave=True, mininterval=2.0) as bar:
-                result = launch(spec, nproc, args.timeout, bar)
-            results.setdefault(workload, {})[name] = result
-            if "error" in result:
-                msg = f"[convergence] {workload}/{name} failed ({result['error']}):\n{result['log_tail']}"
-                print(msg, file=sys.stderr)
-            (out / "results.json").write_text(json.dumps({"command": command, "code": args.code, "results": results}))
-            (out / "results.md").write_text(markdown(results, command, args))
+        if workload == "finetune":
+            per_seed: dict[str, dict[str, dict]] = {}  # optimizer -> seed -> result
+            for seed in map(int, args.finetune_seeds.split(",")):
+                data = prepare_finetune_data(args, out, seed)
+                for name in args.optimizers.split(","):
+                    run_dir = out / "runs" / workload / f"seed{seed}" / name
+                    spec = make_spec(args, workload, name, data, run_dir, seed)
+                    per_seed.setdefault(name, {})[str(seed)] = run(spec, nproc, args.timeout, f"{workload}/seed{seed}")
+                results[workload] = {n: mean_over_seeds(runs) for n, runs in per_seed.items()}  # paired: whole seeds
+                save()
+        else:
+            data = prepare_lm_data(args, out) if workload in ("clm", "mlm") else out
+            for name in args.optimizers.split(","):
+                spec = make_spec(args, workload, name, data, out / "runs" / workload / name)
+                results.setdefault(workload, {})[name] = run(spec, nproc, args.timeout, workload)
+                save()
         plot({workload: results[workload]}, out)
     print("\n" + (out / "results.md").read_text())
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {', '.join(f'{w}.png' for w in results)}")

@@ -1,0 +1,225 @@
+"""Report of the convergence suite (``recipes/convergence.py``): table, goals, loss curves.
+
+Fine-tuning runs once per seed (``--finetune_seeds``). Its row holds the mean over the seeds
+(``mean_over_seeds``), the per-seed results sit under ``"seeds"``, and its goal is decided on the
+mean of the paired differences from AdamW (every optimizer of one seed starts from the same model
+and data), reported with their standard error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+OPTIMIZERS = ("adamw", "powersgd", "onebit_adam", "zeroone_adam")
+LABELS = {"adamw": "AdamW", "powersgd": "PowerSGD r4 + AdamW", "onebit_adam": "1-bit Adam", "zeroone_adam": "0/1 Adam"}
+GOAL_LOSS = {"clm": 1.01, "mlm": 1.01, "lsq": 1.25}  # final loss at most this times AdamW's
+GOAL_ACC_POINTS = 0.5  # fine-tuning accuracy (mean over seeds) at most this many points below AdamW's
+GOAL_ROUNDS, GOAL_BYTES, GOAL_MIN_STEPS = 0.4, 0.8, 1000  # 0/1 Adam against 1-bit Adam
+MEANS = ("metric", "bytes", "rounds", "train_loss_last10pct", "train_wall_s", "wall_s")
+
+
+def mean_over_seeds(runs: dict[str, dict]) -> dict:
+    """One optimizer's runs on several seeds as one row: the mean of ``MEANS``, the runs under ``seeds``.
+
+    The other fields (curve, steps, parameters, ...) are the first seed's. A failed seed fails the row.
+    """
+    failed = [seed for seed, r in runs.items() if "error" in r]
+    if failed:
+        first = runs[failed[0]]
+        return {**first, "error": f"seed {failed[0]}: {first['error']}", "seeds": runs}
+    row = dict(next(iter(runs.values())))
+    row.update({key: sum(r[key] for r in runs.values()) / len(runs) for key in MEANS})
+    row["seeds"] = runs
+    return row
+
+
+def paired_differences(run: dict, base: dict) -> list[float]:
+    """Accuracy points against AdamW seed by seed (one value for a run without ``seeds``)."""
+    if "seeds" not in run or "seeds" not in base:
+        return [run["metric"] - base["metric"]]
+    if set(run["seeds"]) != set(base["seeds"]):
+        raise ValueError(f"seeds {sorted(run['seeds'])} are not AdamW's {sorted(base['seeds'])}")
+    return [run["seeds"][s]["metric"] - base["seeds"][s]["metric"] for s in base["seeds"]]
+
+
+def standard_error(values: list[float]) -> float | None:
+    """Standard error of the mean (sample standard deviation / sqrt(n)); None for one value."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def compare(results: dict) -> dict:
+    """Per run: metric difference and bytes / rounds against AdamW on the same workload."""
+    table = {}
+    for workload, runs in results.items():
+        base = runs.get("adamw")
+        for name, r in runs.items():
+            row = {"ok": "error" not in r}
+            if row["ok"] and base and "error" not in base:
+                if workload == "finetune":
+                    row["diff"] = r["metric"] - base["metric"]
+                else:
+                    row["diff"] = 100 * (r["metric"] / base["metric"] - 1)
+                row["bytes_x"] = r["bytes"] / base["bytes"] if base["bytes"] else None
+                row["rounds_x"] = r["rounds"] / base["rounds"] if base["rounds"] else None
+            table[(workload, name)] = row
+    return table
+
+
+def goals(results: dict) -> list[tuple[str, str, str, bool | None]]:
+    """(goal, run, measured, met) for every goal the runs can decide."""
+    rows = []
+    for workload, runs in results.items():
+        base = runs.get("adamw")
+        ok_base = base and "error" not in base
+        for name, r in runs.items():
+            if name == "adamw":
+                continue
+            label = f"{workload} / {LABELS[name]}"
+            if "error" in r or not ok_base:
+                rows.append(("run finished (with an AdamW baseline)", label, r.get("error", "no AdamW run"), False))
+            elif workload == "finetune":
+                diffs = paired_differences(r, base)
+                diff, se = sum(diffs) / len(diffs), standard_error(diffs)
+                goal = f"accuracy >= AdamW - {GOAL_ACC_POINTS} points"
+                measured = f"{diff:+.2f} points"
+                if len(diffs) > 1:
+                    goal += f" (mean of {len(diffs)} paired seeds)"
+                    measured += f" (seeds: {', '.join(f'{d:+.2f}' for d in diffs)}; standard error {se:.2f})"
+                rows.append((goal, label, measured, diff >= -GOAL_ACC_POINTS))
+            else:
+                ratio = r["metric"] / base["metric"]
+                goal = f"final loss <= {GOAL_LOSS[workload]}x AdamW's"
+                rows.append((goal, label, f"{ratio:.4f}x", ratio <= GOAL_LOSS[workload]))
+        one, zo = runs.get("onebit_adam"), runs.get("zeroone_adam")
+        if one and zo and "error" not in one and "error" not in zo:
+            long_run = min(one["steps"], zo["steps"]) >= GOAL_MIN_STEPS
+            note = "" if long_run else f" (run of {zo['steps']} steps < {GOAL_MIN_STEPS}: informative only)"
+            rr, br = zo["rounds"] / one["rounds"], zo["bytes"] / one["bytes"]
+            label = f"{workload}, {zo['steps']} steps"
+            goal = f"0/1 Adam rounds <= {GOAL_ROUNDS}x 1-bit Adam's{note}"
+            rows.append((goal, label, f"{rr:.3f}x", rr <= GOAL_ROUNDS if long_run else None))
+            goal = f"0/1 Adam bytes <= {GOAL_BYTES}x 1-bit Adam's{note}"
+            rows.append((goal, label, f"{br:.3f}x", br <= GOAL_BYTES if long_run else None))
+    return rows
+
+
+def markdown(results: dict, command: str, args: Any) -> str:  # noqa: ANN401 - the suite's dataclass
+    cmp = compare(results)
+    head = (
+        "| workload | optimizer | final metric | vs AdamW | MB sent / rank | bytes vs AdamW | rounds "
+        "| rounds vs AdamW | train loss (last 10%) | wall s |"
+    )
+    lines = [f"Command: `{command}`", "", head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for workload, runs in results.items():
+        for name, r in sorted(runs.items(), key=lambda kv: OPTIMIZERS.index(kv[0])):
+            c = cmp[(workload, name)]
+            if not c["ok"]:
+                lines.append(f"| {workload} | {LABELS[name]} | failed: {r['error']} | | | | | | | {r['wall_s']:.0f} |")
+                continue
+            unit = " pts" if workload == "finetune" else "%"
+            metric = f"{r['metric']:.2f} % acc" if workload == "finetune" else f"{r['metric']:.5g}"
+            diff = f"{c['diff']:+.2f}{unit}" if "diff" in c else "n/a"
+            bx = f"{c['bytes_x']:.3f}" if c.get("bytes_x") is not None else "n/a"
+            rx = f"{c['rounds_x']:.3f}" if c.get("rounds_x") is not None else "n/a"
+            mb = f"{r['bytes'] / 1e6:.2f}"
+            lines.append(
+                f"| {workload} | {LABELS[name]} | {metric} | {diff} | {mb} | {bx} | {r['rounds']:.0f} | {rx} "
+                f"| {r['train_loss_last10pct']:.5g} | {r['train_wall_s']:.0f} |"
+            )
+    lines += seed_table(results.get("finetune", {}))
+    lines += ["", GLOSSARY, "", "### Goals", "", "| goal | run | measured | |", "|---|---|---:|---|"]
+    for goal, run, measured, met in goals(results):
+        lines.append(f"| {goal} | {run} | {measured} | {'met' if met else 'n/a' if met is None else 'MISSED'} |")
+    lines += ["", "### Workloads", ""]
+    for workload, runs in results.items():
+        r = next((r for r in runs.values() if "error" not in r), None)
+        if r:
+            seeds = f", seeds {', '.join(r['seeds'])}" if "seeds" in r else ""
+            lines.append(
+                f"- `{workload}`: {r['parameters']:,} parameters, {r['steps']} steps, {r['world_size']} ranks{seeds}"
+            )
+    lines += ["", f"Code: {getattr(args, 'code', 'unknown')}. Settings: " + json.dumps(asdict(args))]
+    return "\n".join(lines) + "\n"
+
+
+def seed_table(runs: dict) -> list[str]:
+    """Fine-tuning seed by seed: AdamW's accuracy, the others' points against it, their mean."""
+    base = runs.get("adamw")
+    if not base or "error" in base or len(base.get("seeds", {})) < 2:
+        return []
+    others = [n for n in OPTIMIZERS if n in runs and n != "adamw" and "error" not in runs[n]]
+    diffs = {n: paired_differences(runs[n], base) for n in others}
+    lines = ["", "Fine-tuning seed by seed (each seed: its own split, head and data order; accuracy points "
+             "against AdamW; the row above is the mean):", ""]  # fmt: skip
+    lines += ["| seed | AdamW accuracy | " + " | ".join(LABELS[n] for n in others) + " |"]
+    lines += ["|---|---:|" + "---:|" * len(others)]
+    for i, (seed, r) in enumerate(base["seeds"].items()):
+        lines.append(f"| {seed} | {r['metric']:.2f}% | " + " | ".join(f"{diffs[n][i]:+.2f}" for n in others) + " |")
+    means = " | ".join(f"{sum(d) / len(d):+.2f}" for d in diffs.values())
+    lines.append(f"| mean | {base['metric']:.2f}% | {means} |")
+    lines.append("| standard error | | " + " | ".join(f"{standard_error(d):.2f}" for d in diffs.values()) + " |")
+    return lines
+
+
+GLOSSARY = (
+    "Final metric: held-out loss at the end (clm, mlm: fixed sequences and masks; lsq: mean squared error "
+    "on 4,096 held-out samples), held-out accuracy for finetune; rank 0's replica. vs AdamW: relative "
+    "difference of the loss, or accuracy points. MB sent / rank: what one rank put on the wire (ring model: "
+    "an allreduce of b bytes sends 2(P-1)/P b); hf_zeroone counts its own (`CommStats`), the AdamW and "
+    "PowerSGD rows count every allreduce torch's DDP hook issues. Rounds: collective calls per rank "
+    "(AdamW: one allreduce per DDP bucket per step; PowerSGD: 3 per bucket per compressed step, for the "
+    "uncompressed tensors, P and Q; hf_zeroone: `CommStats.collectives`, 2 per 1-bit allreduce). "
+    "PowerSGD runs one bucket at a time (see `convergence_worker.one_bucket_at_a_time`). "
+    "Train loss: rank 0's training loss over the last 10% of steps (finetune: the Trainer's logged `loss`, "
+    "which on 2 ranks reads about twice the mean cross-entropy: 3.2 at chance with 5 classes, ln 5 = 1.61). "
+    "Wall s: the training loop only, on a shared 2-core machine over loopback (not a network speed measure). "
+    "finetune rows: the mean over its seeds of every column (bytes, rounds and wall s per run)."
+)
+
+
+def plot(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for workload, runs in results.items():
+        fig, (ax_step, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+        for name, r in runs.items():
+            if "error" in r:
+                continue
+            steps = [c[0] for c in r["curve"]]
+            losses = smooth([c[1] for c in r["curve"]], max(1, len(r["curve"]) // 40))
+            ax_step.plot(steps, losses, label=LABELS[name])
+            pts = [(c[2] / 1e6, y) for c, y in zip(r["curve"], losses) if c[2] > 0]
+            if pts:
+                ax_bytes.plot(*zip(*pts), label=LABELS[name])
+        ax_step.set_xlabel("step")
+        ax_bytes.set_xlabel("MB sent per rank (cumulative, log scale)")
+        ax_bytes.set_xscale("log")
+        for ax in (ax_step, ax_bytes):
+            ax.set_ylabel("training loss (rank 0, smoothed)")
+            if workload == "lsq":
+                ax.set_yscale("log")
+            ax.legend()
+        seeds = next((r["seeds"] for r in runs.values() if "seeds" in r), None)
+        fig.suptitle(f"{workload}: loss curves" + (f" (seed {next(iter(seeds))})" if seeds else ""))
+        fig.tight_layout()
+        fig.savefig(out / f"{workload}.png", dpi=110)
+        plt.close(fig)
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v - (values[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out

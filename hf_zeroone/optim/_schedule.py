@@ -19,7 +19,7 @@ local phase, and keeps that largest gap to at most ``1 / LOCAL_PHASE_SYNCS`` of 
 short run still syncs often. On the 90-step fine-tuning run of ``recipes/convergence.py`` (72
 local-phase steps) a gap of 16, reached at step 34, left 0/1 Adam 3.17, 2.22 and 1.90 accuracy
 points below AdamW on three seeds; capped at 4 by this rule: -0.95, +2.22 and -1.59 (mean -0.11;
-paired, seeded runs, see the README).
+paired, seeded runs: the README's convergence suite, and the CHANGELOG for the gap of 16).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ and, bucket by bucket:
 
 * ``EXACT``: averages the bucket in full precision (what DDP would have done);
 * ``ONEBIT_GRADIENT`` / ``ONEBIT_MOMENTUM``: writes each parameter's message
-  (:meth:`~hf_zeroone.optim.CompressedAdamBase.write_message`: the gradient or the local
+  (:meth:`~hf_zeroone.optim.CompressedAdamBase.messages`: the gradient or the local
   momentum) into a flat buffer and starts the error-compensated 1-bit allreduce on it;
 * ``LOCAL`` / ``ONEBIT_SYNC``: sends nothing and hands the local gradient back. A sync step
   needs this step's gradient *after* clipping, so the optimizer sends ``u`` in ``step()``.
@@ -22,7 +22,7 @@ Trainer clips between backward and ``step()``):
 * ``EXACT``: the averaged gradient, as with plain DDP;
 * ``ONEBIT_GRADIENT``: the 1-bit averaged gradient, identical on every rank;
 * ``ONEBIT_MOMENTUM``: the averaged gradient implied by the combined momentum
-  (:meth:`~hf_zeroone.optim.CompressedAdamBase.implied_gradient`), identical on every rank,
+  (:meth:`hf_zeroone.optim._messages.Messages.read_momentum`), identical on every rank,
   rescaled per tensor to a gradient-sized norm (:meth:`~hf_zeroone.optim.CompressedAdamBase.norm_proxy`:
   the root mean square over ranks of the local gradient norms; one extra float per tensor is
   averaged per bucket); ``step()`` divides the factor out, so clipping scales only this step's
@@ -118,21 +118,15 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
         if opt.follow_gradient_scale:
             return _exact_with_scale(opt, buffer, params, grads, scale)
         return opt.comm.allreduce_mean_async(buffer)
-    flat = opt.flat_buffers(params)
-    message, n = flat.message, flat.layout.numel
+    flat = opt.flat_cache.get(params)
+    message, n = flat.new_message(), flat.layout.numel
     message[n:].zero_()
-    for p, g, view in zip(params, grads, flat.views(message)):
-        opt.write_message(opt.group_of(p), p, g, kind, view)
-        opt.to_update_units(opt.group_of(p), p, kind, view)
+    opt.messages.write(kind, params, grads, flat.views(message))
     fut = opt.comm.compressed_allreduce_async(message, flat.worker_error, flat.server_error, flat.layout)
-    norms = None
-    if kind is StepKind.ONEBIT_MOMENTUM:
-        # The mean over ranks of the local squared norms, one float per tensor: gradient-sized norms
-        # for clipping (see CompressedAdamBase), and the gradient's scale (hf_zeroone.optim._grad_scale).
-        floats = opt.local_sq_norms(grads)
-        if opt.follow_gradient_scale:
-            floats = torch.cat([floats, opt.scale_samples(params, grads)])
-        norms = opt.comm.allreduce_mean_async(floats.to(buffer.device))
+    floats = opt.messages.exact_floats(kind, params, grads)
+    # The mean over ranks of the local squared norms, one float per tensor: gradient-sized norms
+    # for clipping (see CompressedAdamBase), and the gradient's scale (hf_zeroone.optim._grad_scale).
+    norms = None if floats is None else opt.comm.allreduce_mean_async(floats.to(buffer.device))
     dtype = buffer.dtype
 
     # The callbacks only compute on tensors: no collective is ever issued inside a callback, and
@@ -142,18 +136,13 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
         if norms is not None:
             # ``f`` is the norms' future, completed after the compressed one (one worker, in
             # order): wait() orders this callback's stream after both.
-            combined, floats = fut.wait(), f.wait()
-            views = flat.views(combined)
-            for p, view in zip(params, views):
-                opt.from_update_units(opt.group_of(p), p, kind, view)
-                opt.implied_gradient(opt.group_of(p), p, view)
-            opt.norm_proxy(params, views, floats[: len(params)])
-            if opt.follow_gradient_scale:
-                opt.record_grad_sq(params, floats[len(params) :])
+            combined, mean_floats = fut.wait(), f.wait()
         else:
-            combined = f.wait()
-            for p, view in zip(params, flat.views(combined)):
-                opt.from_update_units(opt.group_of(p), p, kind, view)
+            combined, mean_floats = f.wait(), None
+        views = flat.views(combined)
+        opt.messages.from_update_units(kind, params, views)
+        if kind is StepKind.ONEBIT_MOMENTUM:
+            opt.messages.read_momentum(params, views, mean_floats)
         result = combined[:n]
         if scale is not None:  # scaled again: the GradScaler unscales p.grad before step()
             result = result.mul(scale.to(device=result.device, dtype=result.dtype))
@@ -170,7 +159,7 @@ def _exact_with_scale(opt: CompressedAdamBase, buffer: Tensor, params: list, gra
     the variance freeze (:mod:`hf_zeroone.optim._grad_scale`); they are taken before the bucket
     is overwritten by the average.
     """
-    samples = opt.scale_samples(params, grads).to(buffer.device)
+    samples = opt.messages.exact_floats(StepKind.EXACT, params, grads).to(buffer.device)
     averaged_fut = opt.comm.allreduce_mean_async(buffer)
     samples_fut = opt.comm.allreduce_mean_async(samples)
 
@@ -186,7 +175,7 @@ def _exact_with_scale(opt: CompressedAdamBase, buffer: Tensor, params: list, gra
         ]
         if scale is not None:  # p.grad is unscaled by the GradScaler before the optimizer reads it
             handed = [h / scale.to(device=h.device, dtype=torch.float32) for h in handed]
-        opt.record_grad_sq(params, mean_samples, handed)
+        opt.grad_scale.record(params, mean_samples, handed)
         return averaged
 
     return samples_fut.then(record)

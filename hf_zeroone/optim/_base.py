@@ -14,43 +14,24 @@ LOCAL             (nothing sent)                      --                     loc
 ONEBIT_SYNC       u, after this step's local update   1-bit allreduce        accumulated update u
 ================  ==================================  =====================  ==========================
 
-The 1-bit kinds ``ONEBIT_GRADIENT`` and ``ONEBIT_MOMENTUM`` send their message divided by
-per-element weights derived from ``v`` (the same on every rank) and multiply the combined result
-back (:meth:`CompressedAdamBase.compression_weight`): an element whose variance is far below its
-tensor's is compressed in units of its update, so its compression error cannot become a step of
-many thousand learning rates. ``ONEBIT_SYNC``'s
-``u`` is a parameter displacement, already in those units.
-
 The first three kinds communicate gradient-like messages that are ready when backward ends, so
 the DDP hook sends them during backward. ``ONEBIT_SYNC`` is a local step followed by a sync of
 ``u``; since ``u`` needs this step's (possibly clipped) gradient, it is sent in ``step()``, after
 backward and clipping, by every path. Only sync steps (one in up to ``local_step_clipper`` steps
 of 0/1 Adam's local phase) lose the overlap with backward.
 
-For ``ONEBIT_MOMENTUM`` the combined momentum ``m'`` is turned into the gradient it implies,
-``g = (m' - beta1 * m) / (1 - beta1)`` (:meth:`CompressedAdamBase.implied_gradient`), identical on
-every rank; ``m <- beta1 * m + (1 - beta1) * g`` then gives back ``m'``. That ``g`` carries the
-1-bit compression noise times ``1 / (1 - beta1)``: its norm can be 10-20 times the true gradient's,
-and a clipping threshold meant for gradients would cut every step. So ``g`` is handed on rescaled,
-per tensor, to the root mean square over ranks of the local gradients' norms (exact: one float per
-tensor, averaged alongside), :meth:`CompressedAdamBase.norm_proxy`; ``step()`` divides the factor
-out again. Unclipped, the step reproduces ``m'``; clipped by ``s``, the step's gradient
-contribution is ``s * g``, so clipping sees a gradient-sized norm and still damps a real spike.
-On every other step that communicates, ``p.grad`` after a DDP hook is an averaged gradient.
-
-The messages are computed by :meth:`CompressedAdamBase.write_message` and the results applied by
-:meth:`CompressedAdamBase.step`. Two callers compute messages: ``step`` itself when nobody
-communicated during backward (no DDP, or DDP without our hook), and the DDP communication hook
-(:mod:`hf_zeroone.ddp_hook`), which writes them into DDP's gradient buckets during backward and
-hands the results back as ``p.grad``. Both go through the same two methods, so the maths exists
-once.
+What each rank sends and what the combined result becomes is :class:`._messages.Messages` (the
+optimizer's ``messages``): 1-bit messages in units of the update, and the implied gradient of a
+1-bit momentum step, rescaled so that gradient clipping sees a gradient-sized norm. Two callers
+communicate with it: ``step`` itself (:mod:`._exchange`) when nobody communicated during backward
+(no DDP, or DDP without our hook), and the DDP communication hook (:mod:`hf_zeroone.ddp_hook`),
+which writes the messages into DDP's gradient buckets during backward and hands the results back
+as ``p.grad``. :meth:`CompressedAdamBase.step` applies the results; the per-element maths is in
+:mod:`._functional`, so each formula exists once.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -61,41 +42,30 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from hf_zeroone._tensors import all_finite
+from hf_zeroone._warnings import user_stacklevel
 from hf_zeroone.comm import CommStats, Communicator
-from hf_zeroone.optim import _grad_scale, _masks, _memory
-from hf_zeroone.optim._checkpoint import CheckpointMixin
-from hf_zeroone.optim._flat import FlatBuffers, build_flat_buffers
-from hf_zeroone.optim._grad_scale import GradScaleMixin
-from hf_zeroone.optim._local_phase import LocalPhaseMixin
-from hf_zeroone.optim._masks import MomentumMaskMixin
-from hf_zeroone.optim._step_kind import StepKind, _check_fraction, _check_int
-from hf_zeroone.optim._step_path import StepPathMixin
+from hf_zeroone.optim import _checkpoint, _grad_scale, _local_phase, _masks, _memory
+from hf_zeroone.optim import _functional as F
+from hf_zeroone.optim._exchange import exchange
+from hf_zeroone.optim._flat import FlatBufferCache, FlatBuffers
+from hf_zeroone.optim._grad_scale import GradientScale
+from hf_zeroone.optim._messages import Messages
+from hf_zeroone.optim._step_kind import StepKind, _check_int, check_adam_arguments
 
 __all__ = ["CompressedAdamBase", "FlatBuffers", "StepKind"]
 
-#: elements with ``sqrt(v) + eps`` below this fraction of their tensor's mean are compressed in
-#: units of their update (see :meth:`CompressedAdamBase.compression_weight`)
-_UPDATE_UNITS_BELOW = 0.1
+
+def _by_group(items: Sequence[tuple[dict[str, Any], Tensor, Tensor]]) -> list[tuple[dict[str, Any], list, list]]:
+    """``(group, params, values)`` per parameter group, in order of first appearance."""
+    out: dict[int, tuple[dict[str, Any], list, list]] = {}
+    for group, p, value in items:
+        entry = out.setdefault(id(group), (group, [], []))
+        entry[1].append(p)
+        entry[2].append(value)
+    return list(out.values())
 
 
-def _user_stacklevel() -> int:
-    """``stacklevel`` that points a warning raised by this module's caller at the user's code.
-
-    Skips the frames of torch, hf_zeroone, accelerate and transformers (their wrappers around
-    ``step()`` differ between versions); level 1 is the caller of this function.
-    """
-    skip = tuple(
-        os.path.dirname(module.__file__) + os.sep
-        for name in ("torch", "hf_zeroone", "accelerate", "transformers")
-        if (module := sys.modules.get(name)) is not None and getattr(module, "__file__", None)
-    )
-    level, frame = 1, sys._getframe(1)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(skip):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, GradScaleMixin, CheckpointMixin, Optimizer):
+class CompressedAdamBase(Optimizer):
     """Adam with a communication schedule; subclasses define the schedule.
 
     Args:
@@ -158,16 +128,7 @@ class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, Grad
         follow_gradient_scale: bool = True,
     ) -> None:
         _check_int("check_replicas_every", check_replicas_every, 0)
-        if isinstance(lr, Tensor) or not isinstance(lr, (int, float)) or not lr >= 0.0:
-            raise ValueError(f"lr must be a float >= 0, got {lr!r}")
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        _check_fraction("betas[0]", betas[0])
-        _check_fraction("betas[1]", betas[1])
-        if not (isinstance(eps, (int, float)) and eps >= 0.0):
-            raise ValueError(f"eps must be >= 0, got {eps!r}")
-        if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        check_adam_arguments(lr, betas, eps, weight_decay)
         defaults = dict(
             lr=float(lr),
             betas=(float(betas[0]), float(betas[1])),
@@ -187,7 +148,12 @@ class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, Grad
             "grad_sq_updates": 0,  # samples folded into each tensor's gradient mean square (._grad_scale)
         }
         self.schedule.update(self._initial_schedule())
-        self._flat_cache: dict[tuple[int, ...], FlatBuffers] = {}
+        #: the flat error buffers, one per list of parameters communicated together (see ._flat)
+        self.flat_cache = FlatBufferCache(
+            lambda p: self.state[p], self.comm.world_size, self.comm.rank, type(self).__name__
+        )
+        #: this step's samples of follow_gradient_scale (see ._grad_scale)
+        self.grad_scale = GradientScale()
         self._prepared_step = -1
         self._group_of: dict[int, dict[str, Any]] | None = None
         #: set by a DDP hook: the step whose results are already in ``p.grad``
@@ -199,16 +165,8 @@ class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, Grad
         self._warned_step_path = False
         self.check_replicas_every = check_replicas_every
         self._syncs_since_check = 0
-        #: per parameter, the factor :meth:`norm_proxy` applied to this step's implied gradient and
-        #: the norm it handed on
-        self._norm_proxy_factors: dict[Tensor, tuple[Tensor, Tensor]] = {}
-        #: per parameter, this step's mean over ranks of :meth:`scale_samples` and the norm handed
-        #: on as ``p.grad`` (``None``: handed on unclipped), for :mod:`._grad_scale`
-        self._grad_sq_samples: dict[Tensor, tuple[Tensor, Tensor | None]] = {}
-        #: per parameter, the fraction of the implied gradient's norm that clipping kept this step
-        self._kept_fraction: dict[Tensor, Tensor] = {}
-        #: per parameter, the fraction of the handed-on norm that clipping left (see _contain_spikes)
-        self._clip_fractions: list[tuple[Tensor, Tensor]] = []
+        #: what each rank sends and what the combined results become (hook and step() alike)
+        self.messages = Messages(self)
         for group in self.param_groups:
             self._check_group(group)
 
@@ -228,7 +186,7 @@ class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, Grad
         super().add_param_group(param_group)
         if hasattr(self, "schedule"):  # not during __init__
             self._check_group(self.param_groups[-1])
-            self._flat_cache.clear()
+            self.flat_cache.clear()
             self._group_of = None
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -259,12 +217,16 @@ class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, Grad
                 "pass all trainable parameters of the model to the optimizer"
             ) from None
 
+    def grouped(self, params: Sequence[Tensor], values: Sequence[Any]) -> list[tuple[dict[str, Any], list, list]]:
+        """``(group, params, values)`` per parameter group of ``params``, in order of first appearance."""
+        return _by_group([(self.group_of(p), p, v) for p, v in zip(params, values)])
+
     @property
     def comm_stats(self) -> CommStats:
         """Cumulative bytes and collectives this rank has sent (see :class:`CommStats`)."""
         return self.comm.stats
 
-    # ------------------------------------------------------------------ per-step maths
+    # ------------------------------------------------------------------ coefficients
     def _coefficients(self, group: dict[str, Any], kind: StepKind) -> tuple[float, float]:
         """``(c1, c2)``: bias corrections of m and v for the coming step (1 when disabled)."""
         if not group["bias_correction"]:
@@ -275,154 +237,18 @@ class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, Grad
         c2 = 1.0 - beta2**k if k > 0 else 1.0
         return 1.0 - beta1**t, c2
 
-    @staticmethod
-    def _l2_gradient(group: dict[str, Any], p: Tensor, grad: Tensor) -> Tensor:
-        """The gradient plus ``wd * p`` when weight decay is L2 (not decoupled)."""
-        wd = group["weight_decay"]
-        if wd and not group["decoupled_weight_decay"]:
-            return grad.add(p, alpha=wd)
-        return grad
-
-    def write_message(self, group: dict[str, Any], p: Tensor, grad: Tensor | None, kind: StepKind, out: Tensor) -> None:
-        """Write what this rank sends for ``p`` in a ``kind`` step into ``out`` (fp32, shaped like p).
-
-        Reads the optimizer state and leaves it unchanged, except for noting which masked rows
-        received a gradient: a step that is later skipped (non-finite gradients, a GradScaler
-        overflow) leaves no other trace.
-        """
-        if grad is None:
-            grad = torch.zeros_like(p)
-        if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):
-            _masks.note_activity(self.state[p], grad)
-        if kind.message_is_gradient:
-            out.copy_(grad)
-            return
-        state = self.state[p]
-        if kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
-            self._displacement(p, out)
-            return
-        beta1 = group["betas"][0]
-        g = self._l2_gradient(group, p, grad)
-        m = state["exp_avg"]
-        if m.dtype == out.dtype and g.dtype == out.dtype:
-            torch.lerp(m, g, 1.0 - beta1, out=out)  # one pass; the same operation as the update in _apply
-        else:
-            out.copy_(m).lerp_(g.to(out.dtype), 1.0 - beta1)
-
-    def compression_weight(self, group: dict[str, Any], p: Tensor) -> Tensor:
-        r"""Per-element weights ``w = min(1, d / (0.1 * mean(d)))``, ``d = sqrt(v) + eps``, in float32.
-
-        A 1-bit gradient or momentum message is divided by ``w`` before compression and the
-        combined result multiplied by it after (:meth:`to_update_units`, :meth:`from_update_units`).
-        The update of element ``j`` is ``lr * m_j / d_j``, so one sign and one segment scale cost it
-        ``lr * scale / d_j``: for an element whose variance is orders of magnitude below its
-        tensor's (an attention key bias, whose exact gradient is zero, has ``d_j`` near ``eps``)
-        that is a step of up to :math:`10^5` learning rates. With the weights, such an element is
-        compressed in units of its update instead, and its error is at most that of an element
-        with ``d = 0.1 * mean(d)``; elements at or above that (``w = 1``) are compressed as they
-        are. Fully in update units (``w = d``) 1-bit Adam ended 32% above AdamW on the BPE GPT-2
-        run of ``recipes/convergence.py`` (every element then moves by the segment's scale at
-        every step); with this floor, +0.85% (raw units: +1.96%). ``v`` is the same on every rank,
-        so every rank uses the same weights, and while ``v`` is frozen error feedback stays exact.
-        """
-        d = self.state[p]["exp_avg_sq"].to(torch.float32).sqrt().add_(group["eps"])
-        return d.div_(d.mean() * _UPDATE_UNITS_BELOW).clamp_(max=1.0)
-
-    def to_update_units(self, group: dict[str, Any], p: Tensor, kind: StepKind, message: Tensor) -> None:
-        """Divide a 1-bit gradient or momentum message by :meth:`compression_weight`, in place."""
-        if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):
-            message.div_(self.compression_weight(group, p))
-
-    def from_update_units(self, group: dict[str, Any], p: Tensor, kind: StepKind, combined: Tensor) -> None:
-        """Undo :meth:`to_update_units` on the combined result, in place."""
-        if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):
-            combined.mul_(self.compression_weight(group, p))
-
-    def implied_gradient(self, group: dict[str, Any], p: Tensor, combined_momentum: Tensor) -> Tensor:
-        """Turn a combined momentum into the gradient it implies, in place in ``combined_momentum``.
-
-        ``g = (m' - beta1 * m) / (1 - beta1)``, so that ``beta1 * m + (1 - beta1) * g == m'``. Computed
-        in one pass as ``m + (m' - m) / (1 - beta1)`` (a lerp from ``m`` past ``m'``).
-        """
-        beta1 = group["betas"][0]
-        m = self.state[p]["exp_avg"].to(combined_momentum.dtype)
-        return torch.lerp(m, combined_momentum, 1.0 / (1.0 - beta1), out=combined_momentum)
-
-    def norm_proxy(self, params: Sequence[Tensor], implied: Sequence[Tensor], mean_sq_norms: Tensor) -> None:
-        """Rescale each implied gradient in place to a gradient-sized norm; :meth:`step` undoes it.
-
-        ``mean_sq_norms[i]`` is the mean over ranks of ``||g_i||^2`` for ``params[i]`` (exact), so the
-        norm a clipping function sees is the root mean square of the ranks' local gradient norms.
-        """
-        for p, view, mean_sq in zip(params, implied, mean_sq_norms):
-            norm = torch.linalg.vector_norm(view)
-            ok = (norm > 0) & (mean_sq > 0) & torch.isfinite(norm)
-            factor = torch.where(ok, mean_sq.sqrt() / norm, torch.ones_like(norm))
-            view.mul_(factor)
-            self._norm_proxy_factors[p] = (factor, torch.where(ok, mean_sq.sqrt(), norm))
-
-    @staticmethod
-    def local_sq_norms(grads: Sequence[Tensor | None]) -> Tensor:
-        """``||g||^2`` of each local gradient (0 for ``None``), as one float32 vector."""
-        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        return torch.stack(
-            [zero if g is None else torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]
-        )
-
-    def _apply(self, group: dict[str, Any], p: Tensor, result: Tensor, kind: StepKind) -> None:
-        """Update ``p`` and its state from the combined ``result`` (or the local gradient)."""
-        state = self.state[p]
-        lr, wd = group["lr"], group["weight_decay"]
-        beta1, beta2 = group["betas"]
-        c1, c2 = self._coefficients(group, kind)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        decay = 1.0 - lr * wd if group["decoupled_weight_decay"] else 1.0
-        result = result.to(p.dtype)
-
-        # An implied gradient (ONEBIT_MOMENTUM) already carries the L2 term of the message.
-        g = result if kind is StepKind.ONEBIT_MOMENTUM else self._l2_gradient(group, p, result)
-        if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC) and "momentum_mask" in state:
-            _masks.note_activity(state, result)
-            # Masked elements stay out of local steps as they stay out of compression: their
-            # momentum stays zero. (Their v is usually zero too, so m / (sqrt(v) + eps) would
-            # move them by up to lr * (1 - beta1) * g / eps, and every sync would undo it.)
-            g = g * state["momentum_mask"]
-        exp_avg.lerp_(g, 1.0 - beta1)
-        if kind is StepKind.EXACT:
-            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-        if decay != 1.0:
-            p.mul_(decay)
-        denom = self._denominator(group, p, kind, c2)
-        p.addcdiv_(exp_avg, denom, value=-lr / c1)
-        if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
-            if "update_accumulator" in state:  # low-precision parameters, see _displacement
-                state["update_accumulator"].addcdiv_(exp_avg, denom, value=lr / c1)
-            state["lr_sum"] += lr
-            state["decay_prod"] *= decay
-
-    def _denominator(self, group: dict[str, Any], p: Tensor, kind: StepKind, c2: float) -> Tensor:
+    def _denominators(self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float) -> list[Tensor]:
         """``sqrt(v / c2) + eps``; after the freeze ``v`` follows the gradient's scale (:mod:`._grad_scale`)."""
-        exp_avg_sq = self.state[p]["exp_avg_sq"]
-        f = None
+        factors = None
         if self.follow_gradient_scale and kind in (StepKind.ONEBIT_MOMENTUM, StepKind.LOCAL, StepKind.ONEBIT_SYNC):
-            f = _grad_scale.factor(
-                self.state[p], group["betas"][1], self.schedule.get("grad_sq_updates", 0), group["bias_correction"]
-            )
-        if f is not None:
-            f = f.clamp(max=1.0)  # only ever lets v shrink, see ._grad_scale
-        if f is None:
-            return exp_avg_sq.sqrt().div_(math.sqrt(c2)).add_(group["eps"])
-        return exp_avg_sq.sqrt().mul_(torch.sqrt(f.to(exp_avg_sq.dtype) / c2)).add_(group["eps"])
+            updates = self.schedule.get("grad_sq_updates", 0)
+            factors = []
+            for p in params:
+                f = _grad_scale.factor(self.state[p], group["betas"][1], updates, group["bias_correction"])
+                factors.append(None if f is None else f.clamp(max=1.0))  # only ever lets v shrink
+        return F.denominators([self.state[p]["exp_avg_sq"] for p in params], c2, group["eps"], factors)
 
     # ------------------------------------------------------------------ preparation
-    def _init_state(self, p: Tensor) -> dict[str, Any]:
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
-
     def prepare_step(self) -> StepKind:
         """Make the state ready for the coming step and return its kind. Idempotent per step.
 
@@ -432,12 +258,18 @@ class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, Grad
         if self._prepared_step == self.schedule["step"]:
             return kind
         for _, p in self.trainable_params():
-            self._init_state(p)
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if (kind.compressed or kind is StepKind.LOCAL) and not self.schedule["masks_ready"]:
-            self._build_momentum_masks()
+            _masks.build_masks(self.trainable_params(), lambda p: self.state[p], self.auto_momentum_mask)
+            self.schedule["masks_ready"] = True
+            self.flat_cache.clear()
         if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
             if not self.schedule.get("local_phase_started", True):
-                self._start_local_phase()
+                _local_phase.start_local_phase([p for _, p in self.trainable_params()], lambda p: self.state[p])
+                self.schedule["local_phase_started"] = True
         elif "local_phase_started" in self.schedule:
             # Back before the local phase (e.g. var_freeze_step raised): its state is stale, and
             # entering the local phase again must start from the parameters of that moment.
@@ -446,35 +278,15 @@ class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, Grad
         self._stats_at_step_start = self.comm.stats.copy()
         return kind
 
-    # ------------------------------------------------------------------ flat buffers
     def flat_buffers(self, params: Sequence[Tensor]) -> FlatBuffers:
-        """Flat error buffers for ``params`` in this order (cached per order; see :mod:`._flat`).
-
-        The first call for an order (e.g. after DDP rebuilt its buckets) moves each parameter's
-        error state into new flat storage, makes the state entries views of it, and frees the
-        cached buffers of any other order that shares a parameter with it.
-        """
-        key = tuple(id(p) for p in params)
-        entry = self._flat_cache.get(key)
-        if entry is not None and all(
-            self.state[p].get("worker_error") is view for p, view in zip(entry.params, entry.worker_error_views)
-        ):
-            return entry
-        ids = set(key)
-        for other in [k for k in self._flat_cache if ids.intersection(k)]:
-            del self._flat_cache[other]  # its storage backs no state once the new entry is built
-        entry = build_flat_buffers(
-            params, lambda p: self.state[p], self.comm.world_size, self.comm.rank, type(self).__name__
-        )
-        self._flat_cache[key] = entry
-        return entry
+        """Flat error buffers for ``params`` in this order (cached per order; see :mod:`._flat`)."""
+        return self.flat_cache.get(params)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of tensor storage this optimizer holds, by role (see :func:`._memory.state_bytes`)."""
         return _memory.state_bytes(self)
 
     # ------------------------------------------------------------------ the step
-
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step (communicating first unless a DDP hook already did)."""
@@ -494,14 +306,14 @@ class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, Grad
                     "bandwidth is saved: use hf_zeroone.ZeroOneTrainer, "
                     "hf_zeroone.integrations.prepare_zeroone or hf_zeroone.register_zeroone_hook.",
                     UserWarning,
-                    stacklevel=_user_stacklevel(),  # the user's line, whatever wraps step()
+                    stacklevel=user_stacklevel(),  # the user's line, whatever wraps step()
                 )
-            updates = self._exchange(kind)
+            updates = exchange(self, kind)
         else:  # the hook's results, or local gradients
             updates = [(g, p, p.grad) for g, p in self.trainable_params() if p.grad is not None]
             if kind is StepKind.ONEBIT_MOMENTUM and hook_done:
-                updates = [(g, p, self._undo_norm_proxy(p, v)) for g, p, v in updates]
-        self._contain_spikes()
+                updates = [(g, p, self.messages.undo_norm_proxy(p, v)) for g, p, v in updates]
+        self.messages.contain_spikes()
         for _, _, value in updates:
             if value.is_sparse:
                 raise ValueError(f"{type(self).__name__} does not support sparse gradients")
@@ -522,29 +334,19 @@ class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, Grad
                 "Lower the learning rate, clip gradients, or use a GradScaler with "
                 "ZeroOneHookState.overflow_check_on_local_steps=True."
             )
-        self._sample_grad_scale(kind, updates)
-        for group, p, value in updates:
-            self._apply(group, p, value, kind)
+        self.grad_scale.fold(
+            kind, updates, lambda p: self.state.get(p, {}), self.group_of, self.schedule, self.follow_gradient_scale
+        )
+        self._apply(kind, updates)
         if kind is StepKind.ONEBIT_SYNC:
-            synced = self._exchange(kind)
-            if all_finite(v for _, _, v in synced):
-                for group, p, value in synced:
-                    self._apply_sync(group, p, value, kind)
-            else:
-                # The combined u is identical on every rank, so every rank takes this branch.
-                warnings.warn(
-                    f"{type(self).__name__}: non-finite values in the sync at step {self.schedule['step']}: "
-                    "the local steps since the last sync are discarded on all ranks (parameters back to the "
-                    "last synced values, momentum reset). Lower the learning rate or clip gradients if it repeats.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                for _, p, _ in synced:
-                    self._discard_interval(p)
+            _local_phase.sync(self, exchange(self, kind))
         if kind is StepKind.EXACT:
             self.schedule["variance_updates"] += 1
         if kind.communicates and self.schedule["masks_ready"] and self.auto_momentum_mask:
-            self._release_masked_rows(kind)
+            changed = _masks.release_masked_rows(
+                self.trainable_params(), lambda p: self.state[p], kind is StepKind.EXACT, self._agree
+            )
+            self.flat_cache.refresh_masks(changed)
         self.last_step_stats = self.comm.stats - self._stats_at_step_start
         self.last_step_kind = kind
         self._advance_schedule(kind)
@@ -559,6 +361,40 @@ class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, Grad
                 )
         return loss
 
+    def _agree(self, flags: Tensor) -> Tensor:
+        """The mean over ranks of every rank's ``flags`` (the rows each rank saw a gradient in)."""
+        return self.comm.allreduce_mean(flags) if self.comm.is_distributed else flags
+
+    def _apply(self, kind: StepKind, updates: list[tuple[dict[str, Any], Tensor, Tensor]]) -> None:
+        """Update every parameter and its state from its combined result (or its local gradient)."""
+        local = kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
+        for group, params, values in _by_group(updates):
+            lr, wd = group["lr"], group["weight_decay"]
+            c1, c2 = self._coefficients(group, kind)
+            decay = 1.0 - lr * wd if group["decoupled_weight_decay"] else 1.0
+            grads = [v.to(p.dtype) for p, v in zip(params, values)]
+            # An implied gradient (ONEBIT_MOMENTUM) already carries the L2 term of the message.
+            if kind is not StepKind.ONEBIT_MOMENTUM and wd and not group["decoupled_weight_decay"]:
+                grads = F.l2_gradients(grads, params, wd)
+            states = [self.state[p] for p in params]
+            if local:
+                grads = _masks.mask_local_gradients(states, grads, [v.to(p.dtype) for p, v in zip(params, values)])
+            dens = F.adam_update(
+                params,
+                grads,
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                lr=lr,
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                c1=c1,
+                decay=decay,
+                update_variance=kind is StepKind.EXACT,
+                make_denominators=lambda group=group, params=params, c2=c2: self._denominators(group, params, kind, c2),
+            )
+            if local:
+                _local_phase.note_local_step(states, dens, lr, c1, decay)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As :meth:`torch.optim.Optimizer.zero_grad`; also forgets a hook's results never stepped on.
 
@@ -567,3 +403,29 @@ class CompressedAdamBase(StepPathMixin, LocalPhaseMixin, MomentumMaskMixin, Grad
         """
         self.communicated_step = None
         super().zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ checkpoints (see ._checkpoint)
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's optimizer state plus the schedule counters and this rank's identity (see :mod:`._checkpoint`)."""
+        return _checkpoint.add_extra(super().state_dict(), self)
+
+    def defer_rank_state(self, state_dict: dict[str, Any]) -> None:
+        """Make the next :meth:`load_state_dict` load ``state_dict`` instead of the state it is given.
+
+        For frameworks that hand every rank the state saved by rank 0 (``accelerate``'s
+        ``load_state``): each rank defers its own saved state first, keeping its error buffers.
+        """
+        self._deferred_state = state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; error buffers from another world size or rank are reset.
+
+        Checkpoints of earlier versions, whose ``server_error`` entries are full-size, load too.
+        """
+        deferred, self._deferred_state = getattr(self, "_deferred_state", None), None
+        plain, restore = _checkpoint.split_for_torch(self, deferred if deferred is not None else state_dict)
+        super().load_state_dict(plain)
+        restore()
+        self.flat_cache.clear()
+        self._prepared_step = -1
+        self.communicated_step = None

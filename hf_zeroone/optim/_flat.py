@@ -36,6 +36,7 @@ from hf_zeroone.compression import ChunkLayout
 
 __all__ = [
     "ERROR_STATE",
+    "FlatBufferCache",
     "FlatBuffers",
     "build_flat_buffers",
     "consecutive_views",
@@ -218,3 +219,41 @@ def restore_errors(state: dict[str, Any], p: Tensor, saved: dict[str, Any]) -> N
             )
         state["server_error"] = value.to(device=p.device, dtype=torch.float32, copy=True).reshape(-1)
         state["server_error_start"] = start
+
+
+class FlatBufferCache:
+    """The optimizer's flat error buffers, one :class:`FlatBuffers` per ordered list of parameters.
+
+    DDP's buckets, ``step()``'s own buckets and 0/1 Adam's syncs each ask for the parameters they
+    communicate together; the first request for an order builds its buffers (moving each
+    parameter's error state into them) and frees the cached buffers of any other order that shares
+    a parameter with it (their storage no longer backs any state).
+    """
+
+    def __init__(self, state_of: Callable[[Tensor], dict[str, Any]], world_size: int, rank: int, owner: str) -> None:
+        self._state_of, self._world, self._rank, self._owner = state_of, world_size, rank, owner
+        self.entries: dict[tuple[int, ...], FlatBuffers] = {}
+
+    def get(self, params: Sequence[Tensor]) -> FlatBuffers:
+        """Flat buffers for ``params`` in this order (built on first use, see the class docstring)."""
+        key = tuple(id(p) for p in params)
+        entry = self.entries.get(key)
+        if entry is not None and all(
+            self._state_of(p).get("worker_error") is view for p, view in zip(entry.params, entry.worker_error_views)
+        ):
+            return entry
+        ids = set(key)
+        for other in [k for k in self.entries if ids.intersection(k)]:
+            del self.entries[other]
+        entry = build_flat_buffers(params, self._state_of, self._world, self._rank, self._owner)
+        self.entries[key] = entry
+        return entry
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def refresh_masks(self, changed: set[int]) -> None:
+        """New layouts for the cached buffers holding a parameter (by ``id``) whose mask changed."""
+        for entry in self.entries.values():  # same positions, new masks: the buffers stay
+            if changed.intersection(map(id, entry.params)):
+                refresh_layout(entry, self._state_of)

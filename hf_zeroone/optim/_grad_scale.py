@@ -50,7 +50,7 @@ from torch import Tensor
 
 from hf_zeroone.optim._step_kind import StepKind
 
-__all__ = ["GradScaleMixin", "factor", "kept_fraction", "sample"]
+__all__ = ["GradientScale", "factor", "kept_fraction", "sample", "scale_samples"]
 
 _S, _REF = "grad_sq", "grad_sq_ref"
 #: state entries of this module (float32 scalars, kept float32 through checkpoints)
@@ -111,57 +111,79 @@ def kept_fraction(ratio: Tensor) -> Tensor:
     return torch.where(ratio > 1.0 - 1e-5, torch.ones_like(ratio), ratio)
 
 
-class GradScaleMixin:
-    """The optimizer's side of ``follow_gradient_scale``: samples from the gradients, folded in before each update."""
+def scale_samples(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor | None],
+    state_of,  # noqa: ANN001 - Tensor -> its state dict
+    group_of,  # noqa: ANN001 - Tensor -> its parameter group
+    variance_updates: int,
+) -> Tensor:
+    """Each local gradient's squared norm once normalised by the current variance, as one float32 vector.
 
-    state: Any
-    schedule: dict[str, Any]
+    ``sum_j g_j^2 / (sqrt(v_j / c2) + eps)^2`` over the elements with a variance (``v_j > 0``): how
+    large the gradient is *relative to* what ``v`` expects, element by element, so that a few
+    elements with large gradients do not speak for the whole tensor. Averaged over ranks, it is the
+    sample of this module.
+    """
+    out = []
+    for p, g in zip(params, grads):
+        v = state_of(p).get("exp_avg_sq")
+        if g is None or v is None:
+            out.append(torch.zeros((), dtype=torch.float32, device=p.device))
+            continue
+        group = group_of(p)
+        k = variance_updates
+        c2 = 1.0 - group["betas"][1] ** k if group["bias_correction"] and k > 0 else 1.0
+        v = v.float()
+        normalised = g.float() / v.div(c2).sqrt_().add_(group["eps"])
+        out.append(torch.where(v > 0, normalised.square_(), 0.0).sum())
+    return torch.stack(out)
 
-    def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
-        """Each local gradient's squared norm once normalised by the current variance, as one float32 vector.
 
-        ``sum_j g_j^2 / (sqrt(v_j / c2) + eps)^2`` over the elements with a variance (``v_j > 0``): how
-        large the gradient is *relative to* what ``v`` expects, element by element, so that a few
-        elements with large gradients do not speak for the whole tensor. Averaged over ranks, it
-        is the sample of :mod:`hf_zeroone.optim._grad_scale`.
-        """
-        out = []
-        for p, g in zip(params, grads):
-            state = self.state.get(p, {})
-            v = state.get("exp_avg_sq")
-            if g is None or v is None:
-                out.append(torch.zeros((), dtype=torch.float32, device=p.device))
-                continue
-            group = self.group_of(p)
-            k = self.schedule["variance_updates"]
-            c2 = 1.0 - group["betas"][1] ** k if group["bias_correction"] and k > 0 else 1.0
-            v = v.float()
-            normalised = g.float() / v.div(c2).sqrt_().add_(group["eps"])
-            out.append(torch.where(v > 0, normalised.square_(), 0.0).sum())
-        return torch.stack(out)
+class GradientScale:
+    """One step's samples of ``follow_gradient_scale``, noted by whoever combined the gradients.
 
-    def record_grad_sq(
+    ``step()`` or the DDP hook :meth:`record` the mean over ranks of :func:`scale_samples` (and the
+    norms handed on as ``p.grad``), the 1-bit momentum step notes the fraction of the gradient that
+    clipping kept (:meth:`note_kept`), and ``step()`` folds them in before the update (:meth:`fold`).
+    """
+
+    def __init__(self) -> None:
+        #: per parameter: the mean over ranks of its sample, and the norm handed on as ``p.grad``
+        #: (``None``: handed on unclipped)
+        self.samples: dict[Tensor, tuple[Tensor, Tensor | None]] = {}
+        #: per parameter: the fraction of the implied gradient's norm that clipping kept this step
+        self.kept: dict[Tensor, Tensor] = {}
+
+    def record(
         self, params: Sequence[Tensor], mean_sq_norms: Tensor, handed_norms: Sequence[Tensor] | None = None
     ) -> None:
-        """Note this step's mean over ranks of each :meth:`scale_samples` (and the norms handed on as ``p.grad``).
-
-        Called by whoever combined the gradients (``step()`` or the DDP hook) on the steps that
-        sample the gradient's scale (see :mod:`hf_zeroone.optim._grad_scale`).
-        """
         for i, p in enumerate(params):
-            self._grad_sq_samples[p] = (mean_sq_norms[i], None if handed_norms is None else handed_norms[i])
+            self.samples[p] = (mean_sq_norms[i], None if handed_norms is None else handed_norms[i])
 
-    def _sample_grad_scale(self, kind: StepKind, updates: list[tuple[dict[str, Any], Tensor, Tensor]]) -> None:
+    def note_kept(self, p: Tensor, fraction: Tensor) -> None:
+        self.kept[p] = fraction
+
+    def fold(
+        self,
+        kind: StepKind,
+        updates: list[tuple[dict[str, Any], Tensor, Tensor]],
+        state_of,  # noqa: ANN001
+        group_of,  # noqa: ANN001
+        schedule: dict[str, Any],
+        enabled: bool,
+    ) -> None:
         """Fold this step's gradient scale into each tensor's running mean square (before the update)."""
-        samples, self._grad_sq_samples = self._grad_sq_samples, {}
-        kept_fractions, self._kept_fraction = self._kept_fraction, {}
-        if not self.follow_gradient_scale or kind is StepKind.ONEBIT_GRADIENT or self.schedule["variance_updates"] == 0:
+        samples, self.samples = self.samples, {}
+        kept_fractions, self.kept = self.kept, {}
+        if not enabled or kind is StepKind.ONEBIT_GRADIENT or schedule["variance_updates"] == 0:
             return  # v is not updated on these steps; before the first update there is no v to compare with
-        count = self.schedule.get("grad_sq_updates", 0) + 1
-        self.schedule["grad_sq_updates"] = count
+        count = schedule.get("grad_sq_updates", 0) + 1
+        schedule["grad_sq_updates"] = count
         for group, p, value in updates:
             if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):  # this rank's own gradient, as used
-                mean_sq, handed = self.scale_samples([p], [value])[0], None
+                mean_sq = scale_samples([p], [value], state_of, group_of, schedule["variance_updates"])[0]
+                handed = None
             elif p in samples:
                 mean_sq, handed = samples[p]
             else:
@@ -173,7 +195,7 @@ class GradScaleMixin:
                 norm = torch.linalg.vector_norm(value, dtype=torch.float32)
                 kept = kept_fraction(norm / torch.where(handed > 0, handed, 1.0))
             sample(
-                self.state[p],
+                state_of(p),
                 p,
                 mean_sq,
                 kept,

@@ -20,21 +20,21 @@ other tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from hf_zeroone.optim._flat import refresh_layout
-from hf_zeroone.optim._step_kind import StepKind
-
 __all__ = [
-    "MomentumMaskMixin",
     "activity_flags",
+    "build_masks",
     "clear_activity",
     "known_variance",
+    "mask_local_gradients",
     "masked_rows",
     "note_activity",
+    "release_masked_rows",
     "release_rows",
     "released_by_variance",
     "rows",
@@ -59,6 +59,21 @@ def note_activity(state: dict[str, Any], grad: Tensor) -> None:
     active = (rows(grad) != 0).any(dim=1) & masked_rows(state)
     pending = state.get("pending_rows")
     state["pending_rows"] = active if pending is None else pending | active
+
+
+def mask_local_gradients(states: list[dict[str, Any]], grads: list[Tensor], values: list[Tensor]) -> list[Tensor]:
+    """The gradients of a local step with masked elements zeroed (masked rows that ``values`` touch are noted).
+
+    Masked elements stay out of local steps as they stay out of compression: their momentum stays
+    zero. (Their v is usually zero too, so ``m / (sqrt(v) + eps)`` would move them by up to
+    ``lr * (1 - beta1) * g / eps``, and every sync would undo it.)
+    """
+    out = list(grads)
+    for i, (state, value) in enumerate(zip(states, values)):
+        if "momentum_mask" in state:
+            note_activity(state, value)
+            out[i] = grads[i] * state["momentum_mask"]
+    return out
 
 
 def release_rows(state: dict[str, Any], released: Tensor, user_mask: Tensor | None, fallback_variance: float) -> None:
@@ -116,62 +131,62 @@ def scatter_flags(state: dict[str, Any], flags: Tensor) -> Tensor:
     return released
 
 
-class MomentumMaskMixin:
-    """Building the masks at the first compressed step, releasing rows as ranks agree they are used."""
+def build_masks(trainable: list[tuple[dict[str, Any], Tensor]], state_of, auto: bool) -> None:  # noqa: ANN001
+    """Fix, once, which elements take part in compression (``auto_momentum_mask`` and ``exp_avg_mask``)."""
+    for group, p in trainable:
+        state = state_of(p)
+        mask = None
+        if auto:
+            nonzero = state["exp_avg_sq"] != 0
+            if not bool(nonzero.all()):
+                mask = nonzero
+        user = _user_mask(group, p)
+        if user is not None:
+            mask = user if mask is None else mask & user
+        if mask is not None:
+            state["momentum_mask"] = mask.clone()
 
-    state: Any
-    schedule: dict[str, Any]
 
-    def _build_momentum_masks(self) -> None:
-        """Fix, once, which elements take part in compression (see ``auto_momentum_mask``)."""
-        for group, p in self.trainable_params():
-            state = self.state[p]
-            mask = None
-            if self.auto_momentum_mask:
-                nonzero = state["exp_avg_sq"] != 0
-                if not bool(nonzero.all()):
-                    mask = nonzero
-            user = group.get("exp_avg_mask")
-            if user is not None:
-                user_mask = torch.broadcast_to(user.to(p.device) != 0, p.shape)
-                mask = user_mask if mask is None else mask & user_mask
-            if mask is not None:
-                state["momentum_mask"] = mask.clone()
-        self.schedule["masks_ready"] = True
-        self._flat_cache.clear()
+def _user_mask(group: dict[str, Any], p: Tensor) -> Tensor | None:
+    user = group.get("exp_avg_mask")
+    return None if user is None else torch.broadcast_to(user.to(p.device) != 0, p.shape)
 
-    def _release_masked_rows(self, kind: StepKind) -> None:
-        """Unmask the rows that received a gradient on any rank (see :mod:`hf_zeroone.optim._masks`)."""
-        masked = [(g, p, self.state[p]) for g, p in self.trainable_params() if "momentum_mask" in self.state[p]]
-        if not masked:
-            return
-        if kind is StepKind.EXACT:  # exact gradients updated v: it says which rows had one
-            released = [released_by_variance(s) for _, _, s in masked]
-        else:
-            flags = [activity_flags(s) for _, _, s in masked]
-            agreed = torch.cat(flags)
-            if self.comm.is_distributed:
-                agreed = self.comm.allreduce_mean(agreed)
-            released = [scatter_flags(s, f) for (_, _, s), f in zip(masked, agreed.split([len(f) for f in flags]))]
-        everywhere = None  # mean known variance over all tensors, computed only if needed
-        changed: set[int] = set()
-        for (group, p, state), rows in zip(masked, released):
-            clear_activity(state)
-            if not bool(rows.any()):
-                continue
-            total, count = known_variance(state)
-            if count == 0:  # no element of this tensor has a variance: the mean of all tensors
-                if everywhere is None:
-                    sums = [known_variance(self.state[q]) for _, q in self.trainable_params()]
-                    n = sum(c for _, c in sums)
-                    everywhere = sum(t for t, _ in sums) / n if n else 0.0
-                total, count = everywhere, 1
-            if total == 0.0:
-                continue
-            user = group.get("exp_avg_mask")
-            user_mask = None if user is None else torch.broadcast_to(user.to(p.device) != 0, p.shape)
-            release_rows(state, rows, user_mask, total / count)
-            changed.add(id(p))
-        for entry in self._flat_cache.values():  # same positions, new masks: the buffers stay
-            if changed.intersection(map(id, entry.params)):
-                refresh_layout(entry, lambda q: self.state[q])
+
+def release_masked_rows(
+    trainable: list[tuple[dict[str, Any], Tensor]],
+    state_of,  # noqa: ANN001 - Tensor -> its state dict
+    exact: bool,
+    agree: Callable[[Tensor], Tensor],
+) -> set[int]:
+    """Unmask the rows that received a gradient on any rank; returns the ``id`` of every changed parameter.
+
+    On a step with exact gradients (``exact``) the variance says which rows had one; otherwise
+    ``agree`` averages every rank's activity flags (one float per masked row) across ranks.
+    """
+    masked = [(g, p, state_of(p)) for g, p in trainable if "momentum_mask" in state_of(p)]
+    if not masked:
+        return set()
+    if exact:
+        released = [released_by_variance(s) for _, _, s in masked]
+    else:
+        flags = [activity_flags(s) for _, _, s in masked]
+        agreed = agree(torch.cat(flags))
+        released = [scatter_flags(s, f) for (_, _, s), f in zip(masked, agreed.split([len(f) for f in flags]))]
+    everywhere = None  # mean known variance over all tensors, computed only if needed
+    changed: set[int] = set()
+    for (group, p, state), released_rows in zip(masked, released):
+        clear_activity(state)
+        if not bool(released_rows.any()):
+            continue
+        total, count = known_variance(state)
+        if count == 0:  # no element of this tensor has a variance: the mean of all tensors
+            if everywhere is None:
+                sums = [known_variance(state_of(q)) for _, q in trainable]
+                n = sum(c for _, c in sums)
+                everywhere = sum(t for t, _ in sums) / n if n else 0.0
+            total, count = everywhere, 1
+        if total == 0.0:
+            continue
+        release_rows(state, released_rows, _user_mask(group, p), total / count)
+        changed.add(id(p))
+    return changed

@@ -89,11 +89,13 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
             if name != "params":
                 for t in _tensors(value):
                     add(f"group.{name}", t)
-    for entry in getattr(optimizer, "_flat_cache", {}).values():
+    cache = getattr(optimizer, "flat_cache", None)
+    for entry in cache.entries.values() if cache is not None else ():
         for f in dataclasses.fields(entry):
             for t in _tensors(getattr(entry, f.name)):
                 add(f"flat.{f.name}", t)
-    for t in _tensors(getattr(optimizer, "_norm_proxy_factors", {})):
+    messages = getattr(optimizer, "messages", None)
+    for t in _tensors(getattr(messages, "norm_proxy_factors", {})):
         add("norm_proxy", t)
     return out
 

@@ -44,3 +44,17 @@ def _check_fraction(name: str, value: float) -> None:
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_adam_arguments(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:  # noqa: ANN401
+    """Raise ``ValueError`` naming the first of Adam's hyper-parameters that is out of range."""
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0.0:
+        raise ValueError(f"lr must be a float >= 0, got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    _check_fraction("betas[0]", betas[0])
+    _check_fraction("betas[1]", betas[1])
+    if not (isinstance(eps, (int, float)) and eps >= 0.0):
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")

@@ -1,0 +1,160 @@
+r"""The maths of the compressed Adam step, on lists of tensors (one parameter group at a time).
+
+Nothing here holds state or communicates: :class:`~hf_zeroone.optim.CompressedAdamBase` keeps the
+books (state, schedule, communicator) and calls these functions, as ``torch.optim.AdamW`` calls
+``torch.optim.adam._multi_tensor_adam``. The per-element arithmetic runs in multi-tensor
+(``torch._foreach_*``) form, one call for all tensors of a list, so a model with hundreds of
+tensors pays a few calls per operation instead of one per tensor.
+
+With :math:`d = \sqrt{v / c_2} + \epsilon` the Adam denominator (:func:`denominators`),
+:math:`c_1 = 1 - \beta_1^t`, :math:`c_2 = 1 - \beta_2^k` the bias corrections and :math:`\delta =
+1 - \text{lr}\,\text{wd}` the decoupled weight decay, every step kind applies
+(:func:`adam_update`)
+
+.. math::
+
+    m \leftarrow \beta_1 m + (1 - \beta_1) g, \quad
+    [v \leftarrow \beta_2 v + (1 - \beta_2) g^2 \ \text{on exact steps}], \quad
+    p \leftarrow \delta p - \frac{\text{lr}}{c_1} \frac{m}{d},
+
+where ``g`` is what the step's communication produced (see :mod:`hf_zeroone.optim._base`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "adam_update",
+    "denominators",
+    "implied_gradients",
+    "l2_gradients",
+    "local_sq_norms",
+    "momentum_messages",
+    "norm_proxy_factors",
+    "update_unit_weights",
+]
+
+#: elements with ``sqrt(v) + eps`` below this fraction of their tensor's mean are compressed in
+#: units of their update (see :func:`update_unit_weights`)
+UPDATE_UNITS_BELOW = 0.1
+
+
+def l2_gradients(grads: Sequence[Tensor], params: Sequence[Tensor], weight_decay: float) -> list[Tensor]:
+    """``g + wd * p`` for every pair (new tensors): the gradient of L2 weight decay (not decoupled)."""
+    return list(torch._foreach_add(list(grads), list(params), alpha=weight_decay))
+
+
+def denominators(
+    exp_avg_sqs: Sequence[Tensor], c2: float, eps: float, factors: Sequence[Tensor | None] | None = None
+) -> list[Tensor]:
+    """``sqrt(v / c2) + eps`` per tensor; with a factor ``f`` (0-dim): ``sqrt(v) * sqrt(f / c2) + eps``.
+
+    ``factors`` rescale a frozen variance (``follow_gradient_scale``, :mod:`._grad_scale`); an entry
+    of ``None`` leaves its tensor unscaled.
+    """
+    out = list(torch._foreach_sqrt(list(exp_avg_sqs)))
+    if factors is None or all(f is None for f in factors):
+        torch._foreach_div_(out, math.sqrt(c2))
+    else:
+        plain = [d for d, f in zip(out, factors) if f is None]
+        if plain:
+            torch._foreach_div_(plain, math.sqrt(c2))
+        scaled = [(d, f) for d, f in zip(out, factors) if f is not None]
+        torch._foreach_mul_([d for d, _ in scaled], [torch.sqrt(f.to(d.dtype) / c2) for d, f in scaled])
+    torch._foreach_add_(out, eps)
+    return out
+
+
+def adam_update(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    c1: float,
+    decay: float,
+    update_variance: bool,
+    make_denominators,  # noqa: ANN001 - () -> list[Tensor], called after the variance update
+) -> list[Tensor]:
+    """One Adam update of every parameter (see the module docstring); returns the denominators used."""
+    params, grads, exp_avgs = list(params), list(grads), list(exp_avgs)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    if update_variance:
+        torch._foreach_mul_(list(exp_avg_sqs), beta2)
+        torch._foreach_addcmul_(list(exp_avg_sqs), grads, grads, value=1.0 - beta2)
+    if decay != 1.0:
+        torch._foreach_mul_(params, decay)
+    dens = make_denominators()
+    torch._foreach_addcdiv_(params, exp_avgs, dens, value=-lr / c1)
+    return dens
+
+
+def momentum_messages(
+    exp_avgs: Sequence[Tensor], grads: Sequence[Tensor], beta1: float, outs: Sequence[Tensor]
+) -> None:
+    """``out = beta1 * m + (1 - beta1) * g`` for every triple (1-bit Adam's message), as the update computes it."""
+    for m, g, out in zip(exp_avgs, grads, outs):
+        if m.dtype == out.dtype and g.dtype == out.dtype:
+            torch.lerp(m, g, 1.0 - beta1, out=out)  # one pass; the same operation as the update
+        else:
+            out.copy_(m).lerp_(g.to(out.dtype), 1.0 - beta1)
+
+
+def update_unit_weights(exp_avg_sqs: Sequence[Tensor], eps: float) -> list[Tensor]:
+    r"""Per-element weights ``w = min(1, d / (0.1 * mean(d)))``, ``d = sqrt(v) + eps``, in float32.
+
+    A 1-bit gradient or momentum message is divided by ``w`` before compression and the combined
+    result multiplied by it after. The update of element ``j`` is ``lr * m_j / d_j``, so one sign
+    and one segment scale cost it ``lr * scale / d_j``: for an element whose variance is orders of
+    magnitude below its tensor's (an attention key bias, whose exact gradient is zero, has ``d_j``
+    near ``eps``) that is a step of up to :math:`10^5` learning rates. With the weights, such an
+    element is compressed in units of its update instead; elements at or above ``0.1 * mean(d)``
+    (``w = 1``) are compressed as they are. ``v`` is the same on every rank, so every rank uses
+    the same weights, and while ``v`` is frozen error feedback stays exact.
+    """
+    out = list(torch._foreach_sqrt([v.to(torch.float32) for v in exp_avg_sqs]))
+    torch._foreach_add_(out, eps)
+    for d in out:
+        d.div_(d.mean() * UPDATE_UNITS_BELOW).clamp_(max=1.0)
+    return out
+
+
+def implied_gradients(exp_avgs: Sequence[Tensor], combined: Sequence[Tensor], beta1: float) -> None:
+    """Turn each combined momentum ``m'`` into the gradient it implies, in place.
+
+    ``g = (m' - beta1 * m) / (1 - beta1)``, so that ``beta1 * m + (1 - beta1) * g == m'``; computed in
+    one pass as ``m + (m' - m) / (1 - beta1)`` (a lerp from ``m`` past ``m'``).
+    """
+    for m, out in zip(exp_avgs, combined):
+        torch.lerp(m.to(out.dtype), out, 1.0 / (1.0 - beta1), out=out)
+
+
+def local_sq_norms(grads: Sequence[Tensor | None]) -> Tensor:
+    """``||g||^2`` of each local gradient (0 for ``None``), as one float32 vector."""
+    device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([zero if g is None else torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads])
+
+
+def norm_proxy_factors(views: Sequence[Tensor], mean_sq_norms: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Rescale each implied gradient in place to the norm ``sqrt(mean_sq_norms[i])``.
+
+    Returns, per tensor, the factor applied and the norm handed on (the view's own norm where the
+    factor is 1: a zero, non-finite or missing norm leaves the view as it is).
+    """
+    out = []
+    for view, mean_sq in zip(views, mean_sq_norms):
+        norm = torch.linalg.vector_norm(view)
+        ok = (norm > 0) & (mean_sq > 0) & torch.isfinite(norm)
+        factor = torch.where(ok, mean_sq.sqrt() / norm, torch.ones_like(norm))
+        view.mul_(factor)
+        out.append((factor, torch.where(ok, mean_sq.sqrt(), norm)))
+    return out

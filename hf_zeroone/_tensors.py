@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -11,18 +12,14 @@ from torch import Tensor
 def all_finite(tensors: Iterable[Tensor]) -> bool:
     """``True`` when no element of any tensor is NaN or infinite.
 
-    Any non-finite element makes its tensor's sum non-finite, so a finite sum proves the tensor
-    finite; only when some sum is not finite (a NaN/inf, or finite values whose sum overflows)
-    are the elements checked one by one. On CPU that is about ten times faster than
-    ``torch.isfinite(t).all()``, which writes a boolean per element.
+    The largest absolute value of a tensor is NaN or infinite exactly when an element is (it
+    cannot overflow, unlike a sum): one multi-tensor reduction for all tensors, one host read,
+    and no boolean written per element as ``torch.isfinite(t).all()`` does.
     """
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return True
-    sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
-    if bool(torch.isfinite(sums).all()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, math.inf))).all())
 
 
 def non_finite_flag(t: Tensor) -> Tensor:

@@ -1,28 +1,12 @@
 """Collectives over a ``torch.distributed`` process group: exact and error-compensated 1-bit allreduce.
 
-Two-stage compressed allreduce (1-bit Adam, Tang et al. 2021, https://arxiv.org/abs/2102.02888,
-Algorithm 1; 0/1 Adam, Lu et al. 2023, https://arxiv.org/abs/2202.06009). For ``P`` ranks and a
-flat vector padded to ``P`` chunks of ``c`` elements (:class:`~hf_zeroone.compression.ChunkLayout`):
-
-1. worker ``i``: ``y = x_i + e_w``; every segment ``s`` of ``y`` (a piece of one packed tensor
-   inside one chunk, see :class:`~hf_zeroone.compression.ChunkLayout`) is compressed to
-   ``C[y_s] = scale_s * sign(y_s)`` with ``scale_s = ||y_s|| / sqrt(n_s)``; ``e_w <- y - C[y]``.
-2. one ``all_to_all``: chunk ``k`` of every worker's packed signs, with its segment scales, goes
-   to rank ``k``.
-3. rank ``k`` (server of chunk ``k``): ``z = mean_i C[y_ik] + e_s``, compressed the same way
-   with its own segment scales; ``e_s <- z - C[z]``.
-4. one ``all_gather`` of every server's packed signs and scales; every rank decompresses the same
-   bytes, so the result is bit-identical on all ranks.
-
-Per rank this sends ``2 (P-1)/P * n/8`` bytes of signs plus ``2 (P-1) S`` four-byte scales
-(``S`` segments per chunk), against ``2 (P-1)/P * 4n`` for an fp32 ring allreduce: the floor is
-1/32. The paper uses one scale per worker vector; per-segment scales cost a few hundred bytes per
-call and keep each tensor's own magnitude (with one scale per chunk, 0/1 Adam diverged on a small
-MLP whose layers have very different gradient scales; with per-segment scales it tracks AdamW).
-
-Non-finite input on any rank makes the result NaN on *every* rank (each worker marks all its
-scales NaN, so every server sees it) and leaves both error buffers unchanged: a NaN never enters
-error feedback, and all ranks agree that the step is bad.
+:class:`Communicator` averages tensors over the ranks of a group, exactly (a full-precision
+allreduce) or with the two-stage 1-bit compressed allreduce of 1-bit Adam and 0/1 Adam (the
+arithmetic is in :mod:`hf_zeroone._two_stage`: two collectives per call, about 1/32 of an fp32
+allreduce's bytes), and counts exactly what this rank sends (:class:`CommStats`). Either kind of
+call can carry an *exact lane*, a short float32 vector averaged exactly in the same collectives
+(per-tensor norms and samples, mask flags), so that what the optimizers need beside a message
+costs no collective of its own.
 
 All collectives are issued, in submission order, by one background thread per
 :class:`Communicator` on a process group the package uses for nothing else (built only by the
@@ -45,7 +29,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,11 +42,10 @@ from hf_zeroone._executor import (
     collective_device,
     stop_all_workers,
 )
-from hf_zeroone.compression import ChunkLayout, compression_error, decompress, pack_signs, segment_scales
+from hf_zeroone._two_stage import SCALE_BYTES, compressed_allreduce, lane_floats
+from hf_zeroone.compression import ChunkLayout
 
 __all__ = ["CommStats", "Communicator", "bit_checksum", "fp32_allreduce_bytes"]
-
-_SCALE_BYTES = 4  # one float32
 
 
 def fp32_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> int:
@@ -124,26 +106,6 @@ class CommStats:
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def _zero_masked(t: Tensor, layout: ChunkLayout, start: int = 0, unless: Tensor | None = None) -> None:
-    """Zero the masked elements of flat ``t``, which holds layout positions ``start ..``.
-
-    Without caller masks only the padding at the end is masked: zero that tail instead of
-    multiplying the whole vector by the mask (one pass over the data saved, five times a call).
-    ``unless``: a 0-dim bool tensor; where it is true the tail is left as it is (a NaN result
-    stays NaN everywhere). Multiplying by the mask keeps a NaN anyway.
-    """
-    if layout.fully_unmasked:
-        first_pad = layout.numel - start
-        if first_pad < t.numel():
-            tail = t[max(first_pad, 0) :]
-            if unless is None:
-                tail.zero_()
-            else:
-                tail.masked_fill_(~unless, 0.0)
-    else:
-        t.mul_(layout.mask[start : start + t.numel()])
 
 
 _LIVE_COMMUNICATORS: weakref.WeakSet[Communicator] = weakref.WeakSet()
@@ -270,28 +232,40 @@ class Communicator:
             self._closed = True
 
     # ------------------------------------------------------------------ exact allreduce
-    def allreduce_mean_async(self, tensor: Tensor) -> torch.futures.Future:
-        """Average ``tensor`` over ranks in place (full precision); the future yields ``tensor``."""
+    def allreduce_mean_async(self, tensor: Tensor, exact: Tensor | None = None) -> torch.futures.Future:
+        """Average ``tensor`` over ranks in place (full precision); the future yields ``tensor``.
+
+        ``exact``: an exact lane (float32, flat), averaged in place in the same collective when
+        ``tensor`` is float32 too (in a second one otherwise: a lane of norms must not overflow fp16).
+        """
         if not self.is_distributed:
             return self._submit(lambda: tensor)
         if not tensor.is_contiguous():
             raise ValueError("allreduce_mean_async needs a contiguous tensor (gloo is wrong on views)")
-        self.stats.bytes_sent += fp32_allreduce_bytes(tensor.numel(), self.world_size, tensor.element_size())
-        self.stats.fp32_equivalent_bytes += fp32_allreduce_bytes(tensor.numel(), self.world_size)
+        if exact is not None and tensor.dtype != exact.dtype:
+            self.allreduce_mean_async(exact)
+            exact = None
+        n, lane = tensor.numel(), 0 if exact is None else exact.numel()
+        self.stats.bytes_sent += fp32_allreduce_bytes(n + lane, self.world_size, tensor.element_size())
+        self.stats.fp32_equivalent_bytes += fp32_allreduce_bytes(n + lane, self.world_size)
         self.stats.collectives += 1
         self.stats.full_allreduces += 1
         coll, world = self._coll, self.world_size
 
         def job() -> Tensor:
-            tensor.div_(world)  # before the sum, as DDP does: an fp16 sum of P values could overflow
-            coll.all_reduce_sum(tensor)
+            both = tensor if exact is None else torch.cat([tensor.reshape(-1), exact.reshape(-1)])
+            both.div_(world)  # before the sum, as DDP does: an fp16 sum of P values could overflow
+            coll.all_reduce_sum(both)
+            if exact is not None:
+                tensor.copy_(both[:n].view_as(tensor))
+                exact.copy_(both[n:].view_as(exact))
             return tensor
 
-        return self._submit(job, (tensor,))
+        return self._submit(job, (tensor,) if exact is None else (tensor, exact))
 
-    def allreduce_mean(self, tensor: Tensor) -> Tensor:
+    def allreduce_mean(self, tensor: Tensor, exact: Tensor | None = None) -> Tensor:
         """Blocking form of :meth:`allreduce_mean_async`."""
-        return self.allreduce_mean_async(tensor).wait()
+        return self.allreduce_mean_async(tensor, exact).wait()
 
     # ------------------------------------------------------------------ consistency
     def assert_identical(self, tensors: list[Tensor], what: str = "parameters") -> None:
@@ -331,41 +305,55 @@ class Communicator:
         worker_error: Tensor,
         server_error: Tensor,
         layout: ChunkLayout,
+        exact: Tensor | None = None,
     ) -> torch.futures.Future:
-        """Error-compensated 1-bit average of ``buffer`` over ranks (see the module docstring).
+        """Error-compensated 1-bit average of ``buffer`` over ranks (see :mod:`hf_zeroone._two_stage`).
 
         Args:
             buffer: float32, ``layout.padded`` elements; used as scratch (its content is lost).
             worker_error: float32, ``layout.padded`` elements; updated in place.
             server_error: float32, ``layout.chunk`` elements, this rank's chunk; updated in place.
             layout: the padding, chunking and mask; must be identical on every rank.
+            exact: an exact lane (float32, flat, the same length on every rank), averaged over ranks
+                in place, exactly, in the same two collectives.
 
         Returns:
             A future of a new float32 tensor of ``layout.padded`` elements, identical on every
             rank, zero on masked elements, all NaN if any rank's input was not finite.
         """
         self._check_compressed_args(buffer, worker_error, server_error, layout)
-        if layout.padded == 0:
-            return self._submit(lambda: buffer.new_zeros(0))
+        if exact is not None and (exact.dtype != torch.float32 or not exact.is_contiguous()):
+            raise ValueError(f"exact must be a contiguous float32 tensor, got {exact.dtype}")
         if not self.is_distributed:
             # One rank: nothing to average, nothing to compress.
             return self._submit(lambda: buffer * layout.mask)
-        p, w = self.world_size, layout.chunk_bytes + _SCALE_BYTES * layout.segments_per_chunk
+        if layout.padded == 0:
+            if exact is not None:
+                self.allreduce_mean_async(exact)
+            return self._submit(lambda: buffer.new_zeros(0))
+        lane = 0 if exact is None else exact.numel()
+        p = self.world_size
+        w = layout.chunk_bytes + SCALE_BYTES * (layout.segments_per_chunk + lane_floats(lane, p))
         self.stats.bytes_sent += 2 * (p - 1) * w
-        self.stats.fp32_equivalent_bytes += fp32_allreduce_bytes(layout.numel, p)
+        self.stats.fp32_equivalent_bytes += fp32_allreduce_bytes(layout.numel + lane, p)
         self.stats.collectives += 2
         self.stats.compressed_allreduces += 1
         coll, rank = self._coll, self.rank
-        inputs = (buffer, worker_error, server_error, *layout.tensors())
+        inputs = (buffer, worker_error, server_error, *layout.tensors(), *(() if exact is None else (exact,)))
         return self._submit(
-            lambda: _compressed_allreduce(coll, rank, p, buffer, worker_error, server_error, layout), inputs
+            lambda: compressed_allreduce(coll, rank, p, buffer, worker_error, server_error, layout, exact), inputs
         )
 
     def compressed_allreduce(
-        self, buffer: Tensor, worker_error: Tensor, server_error: Tensor, layout: ChunkLayout
+        self,
+        buffer: Tensor,
+        worker_error: Tensor,
+        server_error: Tensor,
+        layout: ChunkLayout,
+        exact: Tensor | None = None,
     ) -> Tensor:
         """Blocking form of :meth:`compressed_allreduce_async`."""
-        return self.compressed_allreduce_async(buffer, worker_error, server_error, layout).wait()
+        return self.compressed_allreduce_async(buffer, worker_error, server_error, layout, exact).wait()
 
     def _check_compressed_args(
         self, buffer: Tensor, worker_error: Tensor, server_error: Tensor, layout: ChunkLayout
@@ -382,90 +370,3 @@ class Communicator:
                     f"{name} must be a contiguous float32 tensor of {n} elements, "
                     f"got {t.dtype} with {t.numel()} elements"
                 )
-
-
-def _compressed_allreduce(
-    coll: Any, k: int, p: int, buffer: Tensor, worker_error: Tensor, server_error: Tensor, layout: ChunkLayout
-) -> Tensor:
-    """The compressed allreduce of rank ``k`` of ``p`` (module docstring), collectives through ``coll``.
-
-    ``ok`` (all worker scales of this rank's chunk finite) stays on the device: the error buffers
-    are updated through ``where(ok, new, old)``, a bad step's server scales are NaN and its signs
-    zero, exactly what a host-side branch gave, without reading a device value on the host.
-    """
-    c, nb, s_per = layout.chunk, layout.chunk_bytes, layout.segments_per_chunk
-    sb = _SCALE_BYTES * s_per
-    device = buffer.device
-
-    # Stage 1, worker side: y = x + e_w, compressed segment by segment.
-    y = buffer
-    y.add_(worker_error)
-    _zero_masked(y, layout)
-    scales = segment_scales(y, layout.bounds, layout.segment_counts)
-    scales.masked_fill_(~torch.isfinite(scales).all(), math.nan)  # every server will see it
-    send = torch.empty(p, nb + sb, dtype=torch.uint8, device=device)
-    send[:, :nb] = pack_signs(y.view(p, c))
-    send[:, nb:] = scales.view(torch.uint8).view(p, sb)
-    recv = torch.empty_like(send)
-    coll.all_to_all(recv, send)
-    # worker_scales[i, j]: scale of segment j of my chunk, as worker i compressed it
-    worker_scales = recv[:, nb:].contiguous().view(torch.float32).view(p, s_per)
-    ok = torch.isfinite(worker_scales).all()  # 0-dim, on the device; the same on every rank
-
-    # Stage 1, server side: average the P compressed copies of my chunk, compress again.
-    bounds = layout.chunk_bounds(k)
-    # the P copies side by side, each scaled by 1/P, then summed: z = mean_i C[y_ik] + e_s
-    copies = decompress(recv[:, :nb], worker_scales.reshape(-1) / p, _tile(bounds, p)).view(p, c)
-    z = torch.add(copies[0], server_error)
-    for i in range(1, p):  # row by row: much faster than a sum over dim 0 on CPU
-        z.add_(copies[i])
-    _zero_masked(z, layout, start=k * c)
-    s = segment_scales(z, bounds, layout.chunk_segment_counts(k))
-    s.masked_fill_(~ok, math.nan)
-    out_row = torch.empty(nb + sb, dtype=torch.uint8, device=device)
-    out_row[:nb] = pack_signs(z).masked_fill_(~ok, 0)
-    out_row[nb:] = s.view(torch.uint8)
-
-    # e_s <- z - C[z] and e_w <- y - C[y], only if every worker was finite (a NaN never enters an error)
-    def server_side(out: Tensor) -> None:
-        _zero_masked(compression_error(z, s, bounds, out=out), layout, start=k * c)
-
-    def worker_side(out: Tensor) -> None:
-        _zero_masked(compression_error(y, scales, layout.bounds, out=out), layout)
-
-    _update_error(ok, server_error, server_side, torch.empty_like(z))
-    _update_error(ok, worker_error, worker_side, copies.view(-1))  # the copies' memory is free now
-
-    # Stage 2: every rank gets every server's chunk and decompresses the same bytes.
-    gathered = torch.empty(p, nb + sb, dtype=torch.uint8, device=device)
-    coll.all_gather(list(gathered.unbind(0)), out_row)
-    server_scales = gathered[:, nb:].contiguous().view(torch.float32).view(-1)
-    result = decompress(gathered[:, :nb], server_scales, layout.bounds)
-    _zero_masked(result, layout, unless=~ok)  # a bad step's result stays NaN everywhere
-    return result
-
-
-#: on the CPU, branch on the host (reading a CPU tensor drains no queue); ``False`` in tests runs
-#: the accelerator path on the CPU, which must give the same bits
-_HOST_BRANCH_ON_CPU = True
-
-
-def _update_error(ok: Tensor, error: Tensor, compute: Callable[[Tensor], None], scratch: Tensor) -> None:
-    """``compute(out)`` writes the new error into ``out``; keep it in ``error`` only where ``ok`` (0-dim bool).
-
-    On an accelerator: computed into ``scratch`` (same size, not overlapping the inputs), then
-    ``error <- where(ok, scratch, error)``, no host read. On the CPU, where the read is free, a
-    host branch writes straight into ``error`` and saves that pass. Same bits either way.
-    """
-    if _HOST_BRANCH_ON_CPU and ok.device.type == "cpu":
-        if bool(ok):
-            compute(error)
-        return
-    compute(scratch)
-    torch.where(ok, scratch, error, out=error)
-
-
-def _tile(bounds: tuple[int, ...], times: int) -> tuple[int, ...]:
-    """Segment bounds of ``times`` copies of a vector laid end to end."""
-    length = bounds[-1]
-    return tuple(i * length + b for i in range(times) for b in bounds[:-1]) + (times * length,)

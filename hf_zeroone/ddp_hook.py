@@ -22,7 +22,7 @@ Trainer clips between backward and ``step()``):
 * ``EXACT``: the averaged gradient, as with plain DDP;
 * ``ONEBIT_GRADIENT``: the 1-bit averaged gradient, identical on every rank;
 * ``ONEBIT_MOMENTUM``: the averaged gradient implied by the combined momentum
-  (:meth:`hf_zeroone.optim._messages.Messages.read_momentum`), identical on every rank,
+  (:meth:`hf_zeroone.optim._messages.Messages.finish`), identical on every rank,
   rescaled per tensor to a gradient-sized norm (:meth:`~hf_zeroone.optim.CompressedAdamBase.norm_proxy`:
   the root mean square over ranks of the local gradient norms; one extra float per tensor is
   averaged per bucket); ``step()`` divides the factor out, so clipping scales only this step's
@@ -115,70 +115,54 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     if scale is not None:  # messages in unscaled units
         grads = [g.div(scale.to(device=g.device, dtype=g.dtype)) for g in grads]
     if kind is StepKind.EXACT:
-        if opt.follow_gradient_scale:
-            return _exact_with_scale(opt, buffer, params, grads, scale)
-        return opt.comm.allreduce_mean_async(buffer)
+        lane = opt.messages.lane(kind, params, grads)
+        if lane is None:
+            return opt.comm.allreduce_mean_async(buffer)
+        return _exact_with_lane(opt, buffer, params, lane, scale)
     flat = opt.flat_cache.get(params)
     message, n = flat.new_message(), flat.layout.numel
     message[n:].zero_()
     opt.messages.write(kind, params, grads, flat.views(message))
-    fut = opt.comm.compressed_allreduce_async(message, flat.worker_error, flat.server_error, flat.layout)
-    floats = opt.messages.exact_floats(kind, params, grads)
-    # The mean over ranks of the local squared norms, one float per tensor: gradient-sized norms
-    # for clipping (see CompressedAdamBase), and the gradient's scale (hf_zeroone.optim._grad_scale).
-    norms = None if floats is None else opt.comm.allreduce_mean_async(floats.to(buffer.device))
+    # Exactly averaged beside the 1-bit message, in the same two collectives: on 1-bit momentum
+    # steps the local squared norms (gradient-sized norms for clipping) and the gradient's scale
+    # (hf_zeroone.optim._grad_scale); on every 1-bit step the flags of masked rows that moved.
+    lane = opt.messages.lane(kind, params, grads)
+    fut = opt.comm.compressed_allreduce_async(message, flat.worker_error, flat.server_error, flat.layout, lane)
     dtype = buffer.dtype
 
-    # The callbacks only compute on tensors: no collective is ever issued inside a callback, and
-    # no device value is read on the host. On CUDA they run on a stream that waited for the
-    # communicator's, and the future they complete is CUDA-aware like the communicator's.
+    # The callback only computes on tensors: no collective is ever issued inside a callback, and
+    # no device value is read on the host. On CUDA it runs on a stream that waited for the
+    # communicator's, and the future it completes is CUDA-aware like the communicator's.
     def to_gradient(f: torch.futures.Future) -> Tensor:
-        if norms is not None:
-            # ``f`` is the norms' future, completed after the compressed one (one worker, in
-            # order): wait() orders this callback's stream after both.
-            combined, mean_floats = fut.wait(), f.wait()
-        else:
-            combined, mean_floats = f.wait(), None
-        views = flat.views(combined)
-        opt.messages.from_update_units(kind, params, views)
-        if kind is StepKind.ONEBIT_MOMENTUM:
-            opt.messages.read_momentum(params, views, mean_floats)
+        combined = f.wait()
+        opt.messages.finish(kind, params, flat.views(combined), lane)
         result = combined[:n]
         if scale is not None:  # scaled again: the GradScaler unscales p.grad before step()
             result = result.mul(scale.to(device=result.device, dtype=result.dtype))
         return result.to(dtype)
 
     # Not torch.futures.collect_all: the future it returns is not CUDA-aware.
-    return (norms if norms is not None else fut).then(to_gradient)
+    return fut.then(to_gradient)
 
 
-def _exact_with_scale(opt: CompressedAdamBase, buffer: Tensor, params: list, grads: list, scale: "Tensor | None"):  # noqa: ANN202
-    """Average the bucket in full precision, and the local squared norms of its gradients alongside.
+def _exact_with_lane(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: Tensor, scale: "Tensor | None"):  # noqa: ANN202
+    """Average the bucket in full precision, and its exact lane (the scale samples) in the same collective.
 
-    The squared norms (one float per tensor) let the optimizer follow the gradient's scale after
-    the variance freeze (:mod:`hf_zeroone.optim._grad_scale`); they are taken before the bucket
-    is overwritten by the average.
+    The samples of the local gradients and of the averaged ones measure the noise excess of local
+    gradients (:mod:`hf_zeroone.optim._grad_scale`).
     """
-    samples = opt.messages.exact_floats(StepKind.EXACT, params, grads).to(buffer.device)
-    averaged_fut = opt.comm.allreduce_mean_async(buffer)
-    samples_fut = opt.comm.allreduce_mean_async(samples)
+    fut = opt.comm.allreduce_mean_async(buffer, lane)
 
-    # Not torch.futures.collect_all (its future is not CUDA-aware): the samples' future completes
-    # after the bucket's (one worker, in order), and wait() orders this callback after both.
     def record(f: torch.futures.Future) -> Tensor:
-        averaged, mean_samples = averaged_fut.wait(), f.wait()
-        offsets = [0]
-        for p in params[:-1]:
-            offsets.append(offsets[-1] + p.numel())
-        handed = [
-            torch.linalg.vector_norm(averaged[o : o + p.numel()], dtype=torch.float32) for p, o in zip(params, offsets)
-        ]
-        if scale is not None:  # p.grad is unscaled by the GradScaler before the optimizer reads it
-            handed = [h / scale.to(device=h.device, dtype=torch.float32) for h in handed]
-        opt.grad_scale.record(params, mean_samples, handed)
+        averaged = f.wait()
+        views, offset = [], 0
+        for p in params:
+            views.append(averaged[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        opt.messages.finish(StepKind.EXACT, params, views, lane, loss_scale=scale)
         return averaged
 
-    return samples_fut.then(record)
+    return fut.then(record)
 
 
 def _agree_on_overflow(opt: CompressedAdamBase, buffer: Tensor) -> torch.futures.Future:

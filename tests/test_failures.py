@@ -49,7 +49,7 @@ def _failing_job(rank, world):
 
     import torch
 
-    import hf_zeroone.comm as comm_module
+    import hf_zeroone._two_stage as comm_module
     from hf_zeroone.comm import Communicator
     from hf_zeroone.compression import ChunkLayout
 

@@ -109,7 +109,8 @@ def test_zeroone_local_steps_honour_a_changing_learning_rate():
 
     In one process (nothing to compress) with beta1 = 0 (no momentum to re-estimate) a sync
     reproduces the local trajectory exactly, but only if the accumulated update u follows the
-    scheduler's learning rate at every local step.
+    scheduler's learning rate at every local step. ``follow_gradient_scale`` is off: its factor moves at
+    the syncs (so that every replica keeps the same one), so it differs between the two gaps by design.
     """
     batches = _batches(40)
     results = []
@@ -123,6 +124,7 @@ def test_zeroone_local_steps_honour_a_changing_learning_rate():
             var_freeze_step=8,
             local_step_scaler=scaler,
             local_step_clipper=clipper,
+            follow_gradient_scale=False,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
         snapshots = {}
@@ -358,13 +360,13 @@ def test_recommended_local_steps_keep_short_runs_syncing_often():
             recommended_local_steps(*bad)
 
 
-def test_recommended_freeze_step_is_the_later_of_the_warmup_and_a_fifth_of_the_run():
+def test_recommended_freeze_step_is_the_later_of_the_warmup_and_30_percent_of_the_run():
     from hf_zeroone import recommended_freeze_step
 
-    assert recommended_freeze_step(500, 50) == 100  # 20% of the run after a 10% warm-up
-    assert recommended_freeze_step(1000, 2 * 100) == 200  # 0/1 Adam: twice the warm-up
-    assert recommended_freeze_step(1000, 300) == 300  # a long warm-up wins
-    assert recommended_freeze_step(35) == 7  # integer arithmetic: 0.2 * 35 is 7.000000000000001 in floats
+    assert recommended_freeze_step(500, 50) == 150  # 30% of the run after a 10% warm-up
+    assert recommended_freeze_step(1000, 2 * 100) == 300  # 0/1 Adam: twice the warm-up
+    assert recommended_freeze_step(1000, 400) == 400  # a long warm-up wins
+    assert recommended_freeze_step(35) == 11  # 30% of 35 is 10.5, rounded up
     assert recommended_freeze_step(1) == 1  # never 0: the variance must be estimated once
     for bad, match in [((0,), "num_training_steps"), ((10.0,), "num_training_steps"), ((10, -1), "warmup_steps")]:
         with pytest.raises(ValueError, match=match):

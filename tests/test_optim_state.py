@@ -180,10 +180,10 @@ def test_a_sync_in_one_process_leaves_the_parameters_where_the_local_steps_did(m
     moves = []
     apply_sync = _local_phase.apply_sync
 
-    def probe(p, *args, **kwargs):
-        before = p.detach().clone()
-        apply_sync(p, *args, **kwargs)
-        moves.append((p.detach() - before).abs().max().item())
+    def probe(params, *args, **kwargs):
+        before = [p.detach().clone() for p in params]
+        apply_sync(params, *args, **kwargs)
+        moves.append(max((p.detach() - b).abs().max().item() for p, b in zip(params, before)))
 
     monkeypatch.setattr(_local_phase, "apply_sync", probe)
     p = torch.nn.Parameter(torch.linspace(-1, 1, 64))

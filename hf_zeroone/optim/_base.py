@@ -1,71 +1,37 @@
-"""Shared machinery of the communication-compressed Adam optimizers.
+"""Shared machinery of the communication-compressed Adam optimizers: :class:`CompressedAdamBase`.
 
-An optimizer step has a :class:`StepKind` fixed by the optimizer's schedule before backward runs.
-Each kind says what every rank contributes (its *message*), how messages are combined across
-ranks, and how the combined *result* updates the state:
-
-================  ==================================  =====================  ==========================
-kind              message of rank i                   combined by            result is used as
-================  ==================================  =====================  ==========================
-EXACT             g_i                                 fp32 allreduce (mean)  gradient: m and v
-ONEBIT_GRADIENT   g_i                                 1-bit allreduce        gradient: m only
-ONEBIT_MOMENTUM   beta1 * m + (1 - beta1) * g_i       1-bit allreduce        new m, as implied gradient
-LOCAL             (nothing sent)                      --                     local gradient: m
-ONEBIT_SYNC       u, after this step's local update   1-bit allreduce        accumulated update u
-================  ==================================  =====================  ==========================
-
-The first three kinds communicate gradient-like messages that are ready when backward ends, so
-the DDP hook sends them during backward. ``ONEBIT_SYNC`` is a local step followed by a sync of
-``u``; since ``u`` needs this step's (possibly clipped) gradient, it is sent in ``step()``, after
-backward and clipping, by every path. Only sync steps (one in up to ``local_step_clipper`` steps
-of 0/1 Adam's local phase) lose the overlap with backward.
-
-What each rank sends and what the combined result becomes is :class:`._messages.Messages` (the
-optimizer's ``messages``): 1-bit messages in units of the update, and the implied gradient of a
-1-bit momentum step, rescaled so that gradient clipping sees a gradient-sized norm. Two callers
-communicate with it: ``step`` itself (:mod:`._exchange`) when nobody communicated during backward
-(no DDP, or DDP without our hook), and the DDP communication hook (:mod:`hf_zeroone.ddp_hook`),
-which writes the messages into DDP's gradient buckets during backward and hands the results back
-as ``p.grad``. :meth:`CompressedAdamBase.step` applies the results; the per-element maths is in
+Every step has a :class:`~._step_kind.StepKind` fixed by the optimizer's schedule before backward
+runs (the table of kinds is in :mod:`._step_kind`). What each rank sends and what the combined
+result becomes is :class:`._messages.Messages` (the optimizer's ``messages``), used by two callers:
+``step`` itself (:mod:`._exchange`) when nobody communicated during backward (no DDP, or DDP
+without our hook), and the DDP communication hook (:mod:`hf_zeroone.ddp_hook`), which writes the
+messages into DDP's gradient buckets during backward and hands the results back as ``p.grad``.
+:meth:`CompressedAdamBase.step` applies the results; the per-element maths is in
 :mod:`._functional`, so each formula exists once.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
-from torch.optim import Optimizer
 
 from hf_zeroone._tensors import all_finite
 from hf_zeroone._warnings import user_stacklevel
-from hf_zeroone.comm import CommStats, Communicator
-from hf_zeroone.optim import _checkpoint, _grad_scale, _local_phase, _masks, _memory
 from hf_zeroone.optim import _functional as F
+from hf_zeroone.optim import _local_phase, _masks
+from hf_zeroone.optim._books import UNSET_FREEZE_STEP, OptimizerBooks
 from hf_zeroone.optim._exchange import exchange
-from hf_zeroone.optim._flat import FlatBufferCache, FlatBuffers
-from hf_zeroone.optim._grad_scale import GradientScale
-from hf_zeroone.optim._messages import Messages
-from hf_zeroone.optim._step_kind import StepKind, _check_int, check_adam_arguments
+from hf_zeroone.optim._flat import FlatBuffers
+from hf_zeroone.optim._functional import by_group
+from hf_zeroone.optim._step_kind import StepKind
 
-__all__ = ["CompressedAdamBase", "FlatBuffers", "StepKind"]
-
-
-def _by_group(items: Sequence[tuple[dict[str, Any], Tensor, Tensor]]) -> list[tuple[dict[str, Any], list, list]]:
-    """``(group, params, values)`` per parameter group, in order of first appearance."""
-    out: dict[int, tuple[dict[str, Any], list, list]] = {}
-    for group, p, value in items:
-        entry = out.setdefault(id(group), (group, [], []))
-        entry[1].append(p)
-        entry[2].append(value)
-    return list(out.values())
+__all__ = ["UNSET_FREEZE_STEP", "CompressedAdamBase", "FlatBuffers", "StepKind"]
 
 
-class CompressedAdamBase(Optimizer):
+class CompressedAdamBase(OptimizerBooks):
     """Adam with a communication schedule; subclasses define the schedule.
 
     Args:
@@ -99,154 +65,16 @@ class CompressedAdamBase(Optimizer):
             allreduce; see :mod:`hf_zeroone.optim._grad_scale`). On by default: without it, least
             squares whose loss falls 100x after the freeze ends 3x (1-bit) and 5x (0/1 Adam)
             above AdamW's final loss; ``False`` keeps ``v`` frozen as the papers and DeepSpeed do.
+        clip_to_variance: after the variance freeze, clip each element of a local gradient to
+            ``sqrt(v_hat) / sqrt(1 - beta2)``, the largest normalised gradient Adam itself can see
+            (:func:`._functional.clip_to_variance`). On by default: a frozen ``v`` cannot absorb a
+            gradient that outgrew it (a token first seen after the freeze), and such an element
+            would step thousands of learning rates, and, compressed, spread that to its neighbours.
+            ``False`` is the papers' and DeepSpeed's maths.
 
     With no process group, or a world size of 1, the optimizer communicates nothing and runs Adam
     with the same schedule (so it can be used and tested in a single process).
     """
-
-    #: the hyper-parameters that define the schedule (stored in ``state_dict``); set by subclasses
-    schedule_params: tuple[str, ...] = ()
-    #: when ``step()`` communicates (no DDP hook ran, and every sync of 0/1 Adam), parameters go in
-    #: buckets of at most this many elements, one message at a time: 25 MiB of fp32, DDP's default
-    #: bucket size. Bounds the transient memory of a step; a larger parameter gets a bucket of its own.
-    step_bucket_numel: int = 25 * 2**20 // 4
-
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        *,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        bias_correction: bool,
-        decoupled_weight_decay: bool,
-        process_group: dist.ProcessGroup | None,
-        auto_momentum_mask: bool,
-        communicator: Communicator | None,
-        check_replicas_every: int = 0,
-        follow_gradient_scale: bool = True,
-    ) -> None:
-        _check_int("check_replicas_every", check_replicas_every, 0)
-        check_adam_arguments(lr, betas, eps, weight_decay)
-        defaults = dict(
-            lr=float(lr),
-            betas=(float(betas[0]), float(betas[1])),
-            eps=float(eps),
-            weight_decay=float(weight_decay),
-            bias_correction=bool(bias_correction),
-            decoupled_weight_decay=bool(decoupled_weight_decay),
-        )
-        super().__init__(params, defaults)
-        self.auto_momentum_mask = bool(auto_momentum_mask)
-        self.follow_gradient_scale = bool(follow_gradient_scale)
-        self.comm = communicator if communicator is not None else Communicator(process_group)
-        self.schedule: dict[str, Any] = {
-            "step": 0,
-            "variance_updates": 0,
-            "masks_ready": False,
-            "grad_sq_updates": 0,  # samples folded into each tensor's gradient mean square (._grad_scale)
-        }
-        self.schedule.update(self._initial_schedule())
-        #: the flat error buffers, one per list of parameters communicated together (see ._flat)
-        self.flat_cache = FlatBufferCache(
-            lambda p: self.state[p], self.comm.world_size, self.comm.rank, type(self).__name__
-        )
-        #: this step's samples of follow_gradient_scale (see ._grad_scale)
-        self.grad_scale = GradientScale()
-        self._prepared_step = -1
-        self._group_of: dict[int, dict[str, Any]] | None = None
-        #: set by a DDP hook: the step whose results are already in ``p.grad``
-        self.communicated_step: int | None = None
-        self._stats_at_step_start = CommStats()
-        #: bytes and collectives of the last completed step, and its kind
-        self.last_step_stats = CommStats()
-        self.last_step_kind: StepKind | None = None
-        self._warned_step_path = False
-        self.check_replicas_every = check_replicas_every
-        self._syncs_since_check = 0
-        #: what each rank sends and what the combined results become (hook and step() alike)
-        self.messages = Messages(self)
-        for group in self.param_groups:
-            self._check_group(group)
-
-    # ------------------------------------------------------------------ subclass interface
-    def _initial_schedule(self) -> dict[str, Any]:
-        return {}
-
-    def next_step_kind(self) -> StepKind:
-        """The kind of the coming step (a pure function of the schedule state)."""
-        raise NotImplementedError
-
-    def _advance_schedule(self, kind: StepKind) -> None:
-        raise NotImplementedError
-
-    # ------------------------------------------------------------------ groups and validation
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        if hasattr(self, "schedule"):  # not during __init__
-            self._check_group(self.param_groups[-1])
-            self.flat_cache.clear()
-            self._group_of = None
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        for p in group["params"]:
-            if p.is_sparse:
-                raise ValueError(f"{type(self).__name__} does not support sparse parameters")
-            if p.is_complex():
-                raise ValueError(
-                    f"{type(self).__name__} does not support complex parameters; use torch.view_as_real on them"
-                )
-        mask = group.get("exp_avg_mask")
-        if mask is not None and not isinstance(mask, Tensor):
-            raise ValueError("exp_avg_mask must be a tensor broadcastable to every parameter of its group")
-
-    def trainable_params(self) -> list[tuple[dict[str, Any], Tensor]]:
-        """``(group, param)`` for every parameter that requires a gradient, in group order."""
-        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
-
-    def group_of(self, p: Tensor) -> dict[str, Any]:
-        """The parameter group that holds ``p``."""
-        if self._group_of is None:
-            self._group_of = {id(q): g for g in self.param_groups for q in g["params"]}
-        try:
-            return self._group_of[id(p)]
-        except KeyError:
-            raise ValueError(
-                f"a parameter of shape {tuple(p.shape)} is not managed by this {type(self).__name__}; "
-                "pass all trainable parameters of the model to the optimizer"
-            ) from None
-
-    def grouped(self, params: Sequence[Tensor], values: Sequence[Any]) -> list[tuple[dict[str, Any], list, list]]:
-        """``(group, params, values)`` per parameter group of ``params``, in order of first appearance."""
-        return _by_group([(self.group_of(p), p, v) for p, v in zip(params, values)])
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """Cumulative bytes and collectives this rank has sent (see :class:`CommStats`)."""
-        return self.comm.stats
-
-    # ------------------------------------------------------------------ coefficients
-    def _coefficients(self, group: dict[str, Any], kind: StepKind) -> tuple[float, float]:
-        """``(c1, c2)``: bias corrections of m and v for the coming step (1 when disabled)."""
-        if not group["bias_correction"]:
-            return 1.0, 1.0
-        beta1, beta2 = group["betas"]
-        t = self.schedule["step"] + 1
-        k = self.schedule["variance_updates"] + (1 if kind is StepKind.EXACT else 0)
-        c2 = 1.0 - beta2**k if k > 0 else 1.0
-        return 1.0 - beta1**t, c2
-
-    def _denominators(self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float) -> list[Tensor]:
-        """``sqrt(v / c2) + eps``; after the freeze ``v`` follows the gradient's scale (:mod:`._grad_scale`)."""
-        factors = None
-        if self.follow_gradient_scale and kind in (StepKind.ONEBIT_MOMENTUM, StepKind.LOCAL, StepKind.ONEBIT_SYNC):
-            updates = self.schedule.get("grad_sq_updates", 0)
-            factors = []
-            for p in params:
-                f = _grad_scale.factor(self.state[p], group["betas"][1], updates, group["bias_correction"])
-                factors.append(None if f is None else f.clamp(max=1.0))  # only ever lets v shrink
-        return F.denominators([self.state[p]["exp_avg_sq"] for p in params], c2, group["eps"], factors)
 
     # ------------------------------------------------------------------ preparation
     def prepare_step(self) -> StepKind:
@@ -257,6 +85,8 @@ class CompressedAdamBase(Optimizer):
         kind = self.next_step_kind()
         if self._prepared_step == self.schedule["step"]:
             return kind
+        if self.schedule["step"] == 0:
+            self._warn_unset_schedule()
         for _, p in self.trainable_params():
             state = self.state[p]
             if "exp_avg" not in state:
@@ -278,14 +108,6 @@ class CompressedAdamBase(Optimizer):
         self._stats_at_step_start = self.comm.stats.copy()
         return kind
 
-    def flat_buffers(self, params: Sequence[Tensor]) -> FlatBuffers:
-        """Flat error buffers for ``params`` in this order (cached per order; see :mod:`._flat`)."""
-        return self.flat_cache.get(params)
-
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes of tensor storage this optimizer holds, by role (see :func:`._memory.state_bytes`)."""
-        return _memory.state_bytes(self)
-
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -295,6 +117,13 @@ class CompressedAdamBase(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         kind = self.prepare_step()
+        self._step_denominators = {}  # a frozen variance's denominators, computed once per step
+        try:
+            return self._step(kind, loss)
+        finally:
+            self._step_denominators = None
+
+    def _step(self, kind: StepKind, loss: Any) -> Any:  # noqa: ANN401
         hook_done = self.communicated_step == self.schedule["step"]
         if kind.communicates_in_backward and not hook_done:
             if self.comm.is_distributed and not self._warned_step_path:
@@ -334,19 +163,22 @@ class CompressedAdamBase(Optimizer):
                 "Lower the learning rate, clip gradients, or use a GradScaler with "
                 "ZeroOneHookState.overflow_check_on_local_steps=True."
             )
-        self.grad_scale.fold(
-            kind, updates, lambda p: self.state.get(p, {}), self.group_of, self.schedule, self.follow_gradient_scale
-        )
         self._apply(kind, updates)
+        # after the update: this step's denominators used the gradient scale as it stood before it
+        self.grad_scale.fold(
+            kind,
+            by_group(updates),
+            lambda p: self.state[p],
+            self.schedule,
+            self.follow_gradient_scale,
+            lambda group, params, values: self.messages.scale_samples(params, values),
+        )
         if kind is StepKind.ONEBIT_SYNC:
             _local_phase.sync(self, exchange(self, kind))
         if kind is StepKind.EXACT:
             self.schedule["variance_updates"] += 1
-        if kind.communicates and self.schedule["masks_ready"] and self.auto_momentum_mask:
-            changed = _masks.release_masked_rows(
-                self.trainable_params(), lambda p: self.state[p], kind is StepKind.EXACT, self._agree
-            )
-            self.flat_cache.refresh_masks(changed)
+        if kind.communicates:
+            self._release_masked_rows(kind)
         self.last_step_stats = self.comm.stats - self._stats_at_step_start
         self.last_step_kind = kind
         self._advance_schedule(kind)
@@ -361,24 +193,38 @@ class CompressedAdamBase(Optimizer):
                 )
         return loss
 
-    def _agree(self, flags: Tensor) -> Tensor:
-        """The mean over ranks of every rank's ``flags`` (the rows each rank saw a gradient in)."""
-        return self.comm.allreduce_mean(flags) if self.comm.is_distributed else flags
+    def _release_masked_rows(self, kind: StepKind) -> None:
+        """Unmask the rows that a gradient reached on any rank (see :mod:`._masks`), after a step that communicated."""
+        if not (self.schedule["masks_ready"] and self.auto_momentum_mask):
+            return
+
+        def agree(flags: Tensor) -> Tensor:  # where no lane carried the flags
+            return self.comm.allreduce_mean(flags) if self.comm.is_distributed else flags
+
+        changed = _masks.release_masked_rows(
+            self.trainable_params(), lambda p: self.state[p], kind is StepKind.EXACT, agree
+        )
+        self.flat_cache.refresh_masks(changed)
 
     def _apply(self, kind: StepKind, updates: list[tuple[dict[str, Any], Tensor, Tensor]]) -> None:
         """Update every parameter and its state from its combined result (or its local gradient)."""
         local = kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
-        for group, params, values in _by_group(updates):
+        for group, params, values in by_group(updates):
             lr, wd = group["lr"], group["weight_decay"]
             c1, c2 = self._coefficients(group, kind)
             decay = 1.0 - lr * wd if group["decoupled_weight_decay"] else 1.0
-            grads = [v.to(p.dtype) for p, v in zip(params, values)]
+            grads = [v if v.dtype == p.dtype else v.to(p.dtype) for p, v in zip(params, values)]
+            dens = None
+            if local:  # the local gradient meets the frozen variance here (the 1-bit kinds clip in their messages)
+                dens = self._denominators(group, params, kind, c2)
+                if self.clip_to_variance:
+                    grads = F.clip_to_variance(grads, dens, group["betas"][1])
             # An implied gradient (ONEBIT_MOMENTUM) already carries the L2 term of the message.
             if kind is not StepKind.ONEBIT_MOMENTUM and wd and not group["decoupled_weight_decay"]:
                 grads = F.l2_gradients(grads, params, wd)
             states = [self.state[p] for p in params]
             if local:
-                grads = _masks.mask_local_gradients(states, grads, [v.to(p.dtype) for p, v in zip(params, values)])
+                grads = _masks.mask_local_gradients(states, grads, values)
             dens = F.adam_update(
                 params,
                 grads,
@@ -390,7 +236,9 @@ class CompressedAdamBase(Optimizer):
                 c1=c1,
                 decay=decay,
                 update_variance=kind is StepKind.EXACT,
-                make_denominators=lambda group=group, params=params, c2=c2: self._denominators(group, params, kind, c2),
+                make_denominators=(lambda dens=dens: dens)
+                if dens is not None
+                else (lambda group=group, params=params, c2=c2: self._denominators(group, params, kind, c2)),
             )
             if local:
                 _local_phase.note_local_step(states, dens, lr, c1, decay)
@@ -403,29 +251,3 @@ class CompressedAdamBase(Optimizer):
         """
         self.communicated_step = None
         super().zero_grad(set_to_none=set_to_none)
-
-    # ------------------------------------------------------------------ checkpoints (see ._checkpoint)
-    def state_dict(self) -> dict[str, Any]:
-        """Torch's optimizer state plus the schedule counters and this rank's identity (see :mod:`._checkpoint`)."""
-        return _checkpoint.add_extra(super().state_dict(), self)
-
-    def defer_rank_state(self, state_dict: dict[str, Any]) -> None:
-        """Make the next :meth:`load_state_dict` load ``state_dict`` instead of the state it is given.
-
-        For frameworks that hand every rank the state saved by rank 0 (``accelerate``'s
-        ``load_state``): each rank defers its own saved state first, keeping its error buffers.
-        """
-        self._deferred_state = state_dict
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`; error buffers from another world size or rank are reset.
-
-        Checkpoints of earlier versions, whose ``server_error`` entries are full-size, load too.
-        """
-        deferred, self._deferred_state = getattr(self, "_deferred_state", None), None
-        plain, restore = _checkpoint.split_for_torch(self, deferred if deferred is not None else state_dict)
-        super().load_state_dict(plain)
-        restore()
-        self.flat_cache.clear()
-        self._prepared_step = -1
-        self.communicated_step = None

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hf_zeroone.optim import _grad_scale
+from hf_zeroone.optim import _grad_scale, _masks
 from hf_zeroone.optim._flat import ERROR_STATE, restore_errors
 
 _STATE_KEY = "hf_zeroone"
@@ -67,7 +67,9 @@ def split_for_torch(opt: Any, state_dict: dict[str, Any]) -> tuple[dict[str, Any
             "Resuming on another schedule would restart phases whose state is gone; build the optimizer "
             f"with the checkpoint's values ({fix}), e.g. pass them explicitly to the Trainer, or start afresh."
         )
-    states = state_dict["state"]
+    states = {
+        k: {n: v for n, v in st.items() if n not in _grad_scale.LEGACY_KEYS} for k, st in state_dict["state"].items()
+    }
     if not (extra.get("world_size") == opt.comm.world_size and extra.get("rank") == opt.comm.rank):
         warnings.warn(
             f"{name}: checkpoint saved on rank {extra.get('rank')} of {extra.get('world_size')}, loading on rank "
@@ -100,6 +102,7 @@ def split_for_torch(opt: Any, state_dict: dict[str, Any]) -> tuple[dict[str, Any
             for key in ("momentum_mask", "pending_rows"):  # booleans, cast to the parameter's dtype by torch
                 if key in state:
                     state[key] = state[key] != 0
+            _masks.index_masked_rows(state)  # checkpoints of earlier versions have no index
         opt.schedule = dict(extra["schedule"])
 
     return state_dict, restore

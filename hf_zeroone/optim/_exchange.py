@@ -15,7 +15,9 @@ import torch
 from torch import Tensor
 
 from hf_zeroone.optim import _functional as F
+from hf_zeroone.optim import _masks
 from hf_zeroone.optim._flat import consecutive_views, split_in_buckets
+from hf_zeroone.optim._functional import by_group
 from hf_zeroone.optim._step_kind import StepKind
 
 __all__ = ["exchange"]
@@ -33,56 +35,61 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
         return []
     if not opt.comm.is_distributed:
         return _single_process(opt, kind, pairs)
-    params = [p for _, p in pairs]
     results: list[Update] = []
     for bucket in split_in_buckets(pairs, opt.step_bucket_numel):  # one bucket's message at a time
-        bucket_params = [p for _, p in bucket]
+        params = [p for _, p in bucket]
+        grads = [p.grad for p in params]
         if kind.compressed:
-            flat = opt.flat_cache.get(bucket_params)
+            flat = opt.flat_cache.get(params)
             message, views = flat.new_message(), flat.views
             message[flat.layout.numel :].zero_()
         else:
-            numel = sum(p.numel() for p in bucket_params)
-            message = torch.empty(numel, dtype=torch.float32, device=params[0].device)
-            views = functools.partial(consecutive_views, bucket_params)
-        opt.messages.write(kind, bucket_params, [p.grad for p in bucket_params], views(message))
+            message = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+            views = functools.partial(consecutive_views, params)
+        opt.messages.write(kind, params, grads, views(message))
+        lane = opt.messages.lane(kind, params, grads)
         if kind.compressed:
-            combined = opt.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout)
+            combined = opt.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout, lane)
         else:
-            combined = opt.comm.allreduce_mean(message)
+            combined = opt.comm.allreduce_mean(message, lane)
         del message  # the compressed allreduce's scratch: freed before the next bucket
         combined_views = views(combined)
-        opt.messages.from_update_units(kind, bucket_params, combined_views)
+        opt.messages.finish(kind, params, combined_views, lane)
+        if kind is StepKind.ONEBIT_MOMENTUM:
+            # back into the combined buffer, as the hook's result would be after an unclipped step:
+            # both paths then agree bit for bit
+            combined_views = [v.copy_(opt.messages.undo_norm_proxy(p, v)) for p, v in zip(params, combined_views)]
         results += [(group, p, view) for (group, p), view in zip(bucket, combined_views)]
-    grads = [p.grad for p in params]
-    floats = opt.messages.exact_floats(kind, params, grads)
-    if floats is not None:
-        floats = opt.comm.allreduce_mean(floats.to(params[0].device))
-    if kind is StepKind.EXACT and floats is not None:
-        opt.grad_scale.record(params, floats)
-    if kind is StepKind.ONEBIT_MOMENTUM:
-        views = [v for _, _, v in results]
-        opt.messages.read_momentum(params, views, floats)
-        # back into the combined buffer, as the hook's result would be after an unclipped step: both
-        # paths then agree bit for bit; one parameter's worth of scratch at a time
-        results = [(g, p, v.copy_(opt.messages.undo_norm_proxy(p, v))) for g, p, v in results]
     return results
 
 
 def _single_process(opt: Any, kind: StepKind, pairs: list[tuple[dict[str, Any], Tensor]]) -> list[Update]:  # noqa: ANN401
-    results = []
-    for group, p in pairs:
-        if p.grad is None:
-            continue  # like torch.optim: a parameter without gradient is left alone
-        out = torch.empty_like(p, dtype=torch.float32)
-        opt.messages.write(kind, [p], [p.grad], [out], units=False)
-        state = opt.state[p]
-        if kind.compressed and "momentum_mask" in state:
-            out.mul_(state["momentum_mask"])  # as the compressed allreduce does
-        if kind is StepKind.ONEBIT_MOMENTUM:
-            F.implied_gradients([state["exp_avg"]], [out], group["betas"][0])
-        results.append((group, p, out))
-    if opt.follow_gradient_scale and kind in (StepKind.EXACT, StepKind.ONEBIT_MOMENTUM) and results:
+    """What one process "combines": its own messages, as the maths of every kind without compression.
+
+    A 1-bit momentum message ``beta1 m + (1 - beta1) g`` implies the gradient ``g`` back, so the
+    gradient (clipped to the variance, with its L2 term) is handed on as it is; a sync's
+    displacement leaves the parameters where the local steps put them.
+    """
+    results: list[Update] = []
+    for group, params, grads in by_group([(g, p, p.grad) for g, p in pairs if p.grad is not None]):
+        states = [opt.state[p] for p in params]
+        if kind is StepKind.ONEBIT_SYNC:
+            values = [torch.empty_like(p, dtype=torch.float32) for p in params]
+            opt.messages.write(kind, params, grads, values, units=False)
+        elif kind.compressed:  # ONEBIT_GRADIENT, ONEBIT_MOMENTUM
+            for state, g in zip(states, grads):
+                _masks.note_activity(state, g)
+            values = list(grads)
+            if opt.clip_to_variance:
+                c2 = opt._coefficients(group, kind)[1]
+                values = F.clip_to_variance(values, opt._denominators(group, params, kind, c2), group["betas"][1])
+            if kind is StepKind.ONEBIT_MOMENTUM and group["weight_decay"] and not group["decoupled_weight_decay"]:
+                values = F.l2_gradients(values, params, group["weight_decay"])
+            values = [v * st["momentum_mask"] if "momentum_mask" in st else v for v, st in zip(values, states)]
+        else:
+            values = list(grads)
+        results += [(group, p, v) for p, v in zip(params, values)]
+    if opt.follow_gradient_scale and kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM) and results:
         used = [p for _, p, _ in results]
         opt.grad_scale.record(used, opt.messages.scale_samples(used, [p.grad for p in used]))
     return results

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "adam_update",
+    "by_group",
+    "clip_to_variance",
     "denominators",
     "implied_gradients",
     "l2_gradients",
@@ -37,11 +40,21 @@ __all__ = [
     "momentum_messages",
     "norm_proxy_factors",
     "update_unit_weights",
+    "variance_bound",
 ]
 
-#: elements with ``sqrt(v) + eps`` below this fraction of their tensor's mean are compressed in
-#: units of their update (see :func:`update_unit_weights`)
-UPDATE_UNITS_BELOW = 0.1
+
+def by_group(items: Sequence[tuple[dict, Tensor, Any]]) -> list[tuple[dict, list[Tensor], list[Any]]]:
+    """``(group, params, values)`` for each parameter group of ``(group, param, value)`` items, in order.
+
+    The functions below take one group's tensors at a time (they share its hyper-parameters).
+    """
+    out: dict[int, tuple[dict, list[Tensor], list[Any]]] = {}
+    for group, p, value in items:
+        entry = out.setdefault(id(group), (group, [], []))
+        entry[1].append(p)
+        entry[2].append(value)
+    return list(out.values())
 
 
 def l2_gradients(grads: Sequence[Tensor], params: Sequence[Tensor], weight_decay: float) -> list[Tensor]:
@@ -65,9 +78,16 @@ def denominators(
         if plain:
             torch._foreach_div_(plain, math.sqrt(c2))
         scaled = [(d, f) for d, f in zip(out, factors) if f is not None]
-        torch._foreach_mul_([d for d, _ in scaled], [torch.sqrt(f.to(d.dtype) / c2) for d, f in scaled])
+        multipliers = torch.stack([f for _, f in scaled]).div_(c2).sqrt_()  # one computation for all tensors
+        dtype = scaled[0][0].dtype
+        torch._foreach_mul_([d for d, _ in scaled], list(multipliers.to(dtype).unbind()))
     torch._foreach_add_(out, eps)
     return out
+
+
+def as_dtype(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """``tensors`` in ``dtype``, each converted only where it is not already (no call per tensor otherwise)."""
+    return [t if t.dtype == dtype else t.to(dtype) for t in tensors]
 
 
 def adam_update(
@@ -108,22 +128,51 @@ def momentum_messages(
             out.copy_(m).lerp_(g.to(out.dtype), 1.0 - beta1)
 
 
-def update_unit_weights(exp_avg_sqs: Sequence[Tensor], eps: float) -> list[Tensor]:
-    r"""Per-element weights ``w = min(1, d / (0.1 * mean(d)))``, ``d = sqrt(v) + eps``, in float32.
+def update_unit_weights(exp_avg_sqs: Sequence[Tensor], c2: float, eps: float) -> list[Tensor]:
+    r"""Per-element weights ``w = d / mean(d)``, ``d = sqrt(v / c2) + eps``, in float32: the units of the update.
 
     A 1-bit gradient or momentum message is divided by ``w`` before compression and the combined
-    result multiplied by it after. The update of element ``j`` is ``lr * m_j / d_j``, so one sign
-    and one segment scale cost it ``lr * scale / d_j``: for an element whose variance is orders of
-    magnitude below its tensor's (an attention key bias, whose exact gradient is zero, has ``d_j``
-    near ``eps``) that is a step of up to :math:`10^5` learning rates. With the weights, such an
-    element is compressed in units of its update instead; elements at or above ``0.1 * mean(d)``
-    (``w = 1``) are compressed as they are. ``v`` is the same on every rank, so every rank uses
-    the same weights, and while ``v`` is frozen error feedback stays exact.
+    result multiplied by it after. The update of element ``j`` is ``lr * m_j / d_j``, so in these
+    units one sign and one segment scale ``s`` cost every element the same, ``lr * s / mean(d)``
+    learning rates: the compression error of an element whose variance is orders of magnitude
+    below its tensor's (an attention key bias, whose exact gradient is zero, has ``d_j`` near
+    ``eps``) is no longer a step of thousands of learning rates, and the large elements of a tensor
+    that mixes parts of very different scale (a fused q/k/v bias) no longer set its small parts'
+    noise. ``v`` is the same on every rank, so every rank uses the same weights, and while ``v`` is
+    frozen error feedback stays exact. Messages must be bounded in these units for the segment
+    scale to stay a few learning rates: :func:`clip_to_variance` sees to it.
     """
-    out = list(torch._foreach_sqrt([v.to(torch.float32) for v in exp_avg_sqs]))
-    torch._foreach_add_(out, eps)
-    for d in out:
-        d.div_(d.mean() * UPDATE_UNITS_BELOW).clamp_(max=1.0)
+    out = denominators(as_dtype(exp_avg_sqs, torch.float32), c2, eps)
+    means = [norm / max(d.numel(), 1) for norm, d in zip(torch._foreach_norm(out, 1), out)]
+    torch._foreach_div_(out, means)
+    return out
+
+
+def variance_bound(beta2: float) -> float:
+    """The largest ``|g| / sqrt(v_hat)`` Adam can see, ``1 / sqrt(1 - beta2)`` (``v`` holds ``(1 - beta2) g^2``)."""
+    return 1.0 / math.sqrt(1.0 - beta2)
+
+
+def clip_to_variance(grads: Sequence[Tensor], dens: Sequence[Tensor], beta2: float) -> list[Tensor]:
+    r"""Each gradient element clipped to ``|g_j| <= d_j / sqrt(1 - beta2)`` (new tensors), for a frozen ``v``.
+
+    Adam updates ``v`` with every gradient, so ``v_hat >= (1 - beta2) g^2`` and the normalised
+    gradient it sees is never above :func:`variance_bound` (31.6 for ``beta2 = 0.999``). A frozen
+    ``v`` loses that bound: a token that first appears after the freeze, or an element whose
+    gradient grows tenfold, has ``|g| / d`` of thousands, and its step is that many learning
+    rates, with or without compression (1-bit Adam diverged to a loss of 1e11 on a 400-step
+    GPT-2 run with exact communication). Clipped, every element stays inside the envelope
+    Adam's own steps have, and every 1-bit message in update units stays bounded.
+    """
+    grads = list(grads)
+    bounds = list(
+        torch._foreach_mul(
+            [d if d.dtype == g.dtype else d.to(g.dtype) for g, d in zip(grads, dens)], variance_bound(beta2)
+        )
+    )
+    out = list(torch._foreach_minimum(grads, bounds))
+    torch._foreach_neg_(bounds)
+    torch._foreach_maximum_(out, bounds)
     return out
 
 

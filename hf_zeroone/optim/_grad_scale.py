@@ -1,43 +1,53 @@
 r"""``follow_gradient_scale`` (on by default): a frozen variance that follows the gradient's scale.
 
 1-bit Adam freezes ``v`` at ``freeze_step`` and 0/1 Adam at ``var_freeze_step``. Adam's ``v``
-would go on following the gradients; when their scale keeps falling after the freeze (a
+would go on following the gradients. When their scale keeps falling after the freeze (a
 regression whose loss falls by orders of magnitude) the frozen ``v`` is too large and the steps
-too small. On least squares with a learning rate decaying to 0 that leaves 1-bit and 0/1 Adam 3x
-and 5x above AdamW's final loss, in a single process, with no compression at all.
+too small: on least squares with a learning rate decaying to 0, 1-bit and 0/1 Adam ended 3x and
+5x above AdamW's loss in one process, with no compression at all. When their scale grows (a
+language model leaving its first plateau: attention's query and key gradients) the frozen ``v``
+is too small: frozen at a fifth of a 400-step GPT-2 run, 1-bit Adam ended 6.8% above AdamW on one
+seed in four.
 
-With the option, each tensor keeps the element-wise *shape* of its frozen ``v`` and rescales it by
-how large its gradients have become relative to it:
+With the option, each tensor keeps the element-wise *shape* of its frozen ``v`` and rescales it,
+by a factor ``f``, to what Adam's ``v`` would have become on average over the tensor's elements.
+If Adam had gone on updating ``v`` after its last update ``K`` (bias correction ``c_k = 1 -
+beta2^k``), then after ``n`` more steps, for each element,
 
 .. math::
 
-    q_t = \frac{1}{n} \overline{\sum_j \frac{g_{ij,t}^2}{(\sqrt{\hat v_j} + \epsilon)^2}}
-    \ \text{(mean over ranks, exact)}, \qquad
-    S \leftarrow \beta_2 S + (1 - \beta_2)\, q_t, \qquad
-    \hat v_t^{\text{used}} = \hat v \cdot \min\Big(1, \frac{S_t / c_S(t)}{S_f / c_S(f)}\Big),
+    \frac{\hat v_{K+n}}{\hat v_K} = \frac{c_K}{c_{K+n}} \Big(\beta_2^n + (1 - \beta_2) \sum_{i=1}^{n}
+    \beta_2^{n-i} \frac{g_{K+i}^2}{c_K \hat v_K}\Big),
 
-over the elements with ``v_j > 0``, with ``f`` the last variance update (``v`` as it was before
-that step) and ``c_S`` the bias correction of ``S`` (``1`` when ``bias_correction`` is off). One
-float per tensor is averaged per step: on the collective 1-bit Adam already makes for its
-gradient-sized norms, and in one small extra allreduce on exact steps. In 0/1 Adam's local phase
-each rank folds in its own local gradient (nothing is sent; the sync sets every replica to
-``delta p_s - mean u`` whatever the denominators were). 0/1 Adam's 1-bit gradient steps do not
-sample, as they do not update ``v``. Each sample is reduced by the fraction of the gradient's norm
-that clipping kept. The factor is capped at 1: ``v`` may shrink, never grow.
+so averaged over the tensor, with ``q_i`` the mean of ``g^2 / (sqrt(v_hat_K) + eps)^2`` over its
+elements (:func:`scale_samples`), ``f = (c_K / c_{K+n}) G_n`` where ``G_0 = 1`` and
+``G_i = beta2 G_{i-1} + (1 - beta2) q_i / c_K``: one float per tensor, exact for the mean ratio, and
+equal to 1 while the gradients keep the scale ``v`` had (``bias_correction=False``: ``c = 1``).
+``G`` restarts at 1 at every variance update, so no reference from before the freeze enters it.
 
-Why normalised by ``v`` and capped: the plain mean square of a tensor's gradient speaks for its
-few largest elements, and an uncapped ratio of normalised squares is driven by the elements whose
-``v`` happened to be tiny at the freeze (factors of 1000 on some GPT-2 tensors).
+Where the samples come from:
 
-Why it is on by default: it fixes least squares (``tests/test_convergence_defaults.py``), and
-with the variance frozen no earlier than a fifth of the run (:mod:`hf_zeroone.optim._schedule`)
-it does not cost the language models of ``recipes/convergence.py``; see the README for the
-figures. An earlier test, with the freeze at the end of a 10% warm-up, found it cost the MLM run
-(+6.1% over AdamW against +4.35% without): the cap keeps ``v`` from growing where attention's
-query and key gradients are still growing, which a later freeze avoids.
+* 1-bit Adam's compressed steps: each rank's local gradient, averaged over ranks in the exact lane
+  of the step's collectives. A local gradient is noisier than the average Adam's ``v`` followed, so
+  the sample is divided by that excess, ``rho``: the ratio of the local samples to the sample of
+  the averaged gradient, measured on the exact steps before the freeze (both are at hand there)
+  and averaged like ``v`` (:class:`GradientScale`; 1 in one process).
+* 0/1 Adam's 1-bit gradient steps, between its sparse variance updates: as 1-bit Adam's.
+* 0/1 Adam's local steps: the rank's own local gradient, divided by ``rho`` too (the sync averages
+  the local steps, whose noise then averages out as the exact average's did). Each rank sums its
+  samples until the next sync, whose exact lane averages the sums over ranks; ``G`` moves then,
+  by ``k`` steps at once, so every replica keeps the same ``G``: the same denominators, and the
+  same momentum after the sync, which re-estimates it from them.
 
-Until the freeze (and whenever the option is off) the factor is not applied at all: the steps
-are bit for bit those of before.
+Each sample is reduced by the fraction of the gradient's norm that clipping kept. Elements whose
+``sqrt(v) + eps`` is below a tenth of their tensor's mean take no part (:data:`IDLE_BELOW`): their
+variance is next to nothing (an attention key bias, whose gradient is zero; a token not seen yet)
+and, measured against it, one gradient that wakes such an element up would count for thousands of
+the others (factors of 1000 on some GPT-2 tensors, when every element counted). ``f`` may grow or
+shrink; with ``clip_to_variance=False`` it is capped at 1 (``v`` may only shrink), this option's
+behaviour before the clip bounded what a woken element can do.
+
+Until the freeze (and whenever the option is off) the factor is not applied at all.
 """
 
 from __future__ import annotations
@@ -48,58 +58,42 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._step_kind import StepKind
 
-__all__ = ["GradientScale", "factor", "kept_fraction", "sample", "scale_samples"]
+__all__ = ["GradientScale", "factors", "kept_fraction", "scale_samples"]
 
-_S, _REF = "grad_sq", "grad_sq_ref"
+_G, _R, _P = "grad_scale", "noise_excess", "scale_pending"
 #: state entries of this module (float32 scalars, kept float32 through checkpoints)
-STATE_KEYS = (_S, _REF)
-
-
-def _scalar(state: dict[str, Any], key: str, like: Tensor) -> Tensor:
-    if key not in state:
-        state[key] = torch.zeros((), dtype=torch.float32, device=like.device)
-    return state[key]
+STATE_KEYS = (_G, _R, _P)
+#: entries of checkpoints of earlier versions, dropped on load (the scale restarts at 1)
+LEGACY_KEYS = ("grad_sq", "grad_sq_ref")
+#: elements whose ``sqrt(v) + eps`` is below this fraction of their tensor's mean take no part in
+#: its samples (see :func:`scale_samples`)
+IDLE_BELOW = 0.1
 
 
 def _correction(beta2: float, updates: int, bias_correction: bool) -> float:
     return 1.0 - beta2**updates if bias_correction and updates > 0 else 1.0
 
 
-def sample(
-    state: dict[str, Any],
-    p: Tensor,
-    mean_sq_norm: Tensor,
-    kept: Tensor | float,
-    beta2: float,
-    updates: int,
-    bias_correction: bool,
-    variance_step: bool,
-) -> None:
-    """Fold one step's ``q = mean_sq_norm * kept^2 / n`` into ``S`` (``updates`` counts it).
+def factors(
+    states: Sequence[dict[str, Any]], beta2: float, variance_updates: int, samples: int, bias_correction: bool
+) -> list[Tensor | None]:
+    """``f = (c_K / c_{K+n}) G`` of each tensor (the module docstring); ``None`` where there is no ``G``.
 
-    On a ``variance_step`` (``v`` was updated too) the reference becomes the new ``S / c_S``.
+    ``variance_updates`` is ``K``, ``samples`` is ``n``. One vectorised computation for all tensors.
     """
-    s = _scalar(state, _S, p)
-    if isinstance(kept, Tensor):
-        kept = kept.to(device=s.device, dtype=torch.float32)
-    q = mean_sq_norm.to(device=s.device, dtype=torch.float32) * kept * kept
-    s.mul_(beta2).add_(q / max(p.numel(), 1), alpha=1.0 - beta2)
-    if variance_step:
-        _scalar(state, _REF, p).copy_(s / _correction(beta2, updates, bias_correction))
-
-
-def factor(state: dict[str, Any], beta2: float, updates: int, bias_correction: bool) -> Tensor | None:
-    """``(S / c_S) / reference`` for the denominator, or ``None`` before any reference exists.
-
-    A tensor whose reference is zero (it never had a gradient before the freeze) keeps factor 1.
-    """
-    ref = state.get(_REF)
-    if ref is None:
-        return None
-    current = state[_S] / _correction(beta2, updates, bias_correction)
-    return torch.where(ref > 0, current / torch.where(ref > 0, ref, torch.ones_like(ref)), torch.ones_like(ref))
+    out: list[Tensor | None] = [None] * len(states)
+    have = [i for i, st in enumerate(states) if _G in st]
+    if not have or variance_updates == 0:
+        return out
+    ratio = _correction(beta2, variance_updates, bias_correction) / _correction(
+        beta2, variance_updates + samples, bias_correction
+    )
+    for i, value in zip(have, (torch.stack([states[i][_G] for i in have]) * ratio).unbind()):
+        out[i] = value
+    return out
 
 
 def kept_fraction(ratio: Tensor) -> Tensor:
@@ -111,55 +105,48 @@ def kept_fraction(ratio: Tensor) -> Tensor:
     return torch.where(ratio > 1.0 - 1e-5, torch.ones_like(ratio), ratio)
 
 
-def scale_samples(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor | None],
-    state_of,  # noqa: ANN001 - Tensor -> its state dict
-    group_of,  # noqa: ANN001 - Tensor -> its parameter group
-    variance_updates: int,
-) -> Tensor:
-    """Each local gradient's squared norm once normalised by the current variance, as one float32 vector.
+def scale_samples(grads: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float) -> Tensor:
+    """``q``: each gradient's mean square once normalised by the variance, as one float32 vector.
 
-    ``sum_j g_j^2 / (sqrt(v_j / c2) + eps)^2`` over the elements with a variance (``v_j > 0``): how
-    large the gradient is *relative to* what ``v`` expects, element by element, so that a few
-    elements with large gradients do not speak for the whole tensor. Averaged over ranks, it is the
-    sample of this module.
+    The mean of ``(g_j / (sqrt(v_j / c2) + eps))^2`` over the elements whose ``sqrt(v_j / c2) + eps``
+    is at least :data:`IDLE_BELOW` of their tensor's mean: how large the gradient is *relative to*
+    what ``v`` expects, element by element, so that a few elements with large gradients do not
+    speak for the whole tensor, and elements with next to no variance do not either. The tensors
+    are one parameter group's.
     """
-    out = []
-    for p, g in zip(params, grads):
-        v = state_of(p).get("exp_avg_sq")
-        if g is None or v is None:
-            out.append(torch.zeros((), dtype=torch.float32, device=p.device))
-            continue
-        group = group_of(p)
-        k = variance_updates
-        c2 = 1.0 - group["betas"][1] ** k if group["bias_correction"] and k > 0 else 1.0
-        v = v.float()
-        normalised = g.float() / v.div(c2).sqrt_().add_(group["eps"])
-        out.append(torch.where(v > 0, normalised.square_(), 0.0).sum())
-    return torch.stack(out)
+    dens = F.denominators(F.as_dtype(exp_avg_sqs, torch.float32), c2, eps)
+    ratios = list(torch._foreach_div(F.as_dtype(grads, torch.float32), dens))
+    floors = [IDLE_BELOW * norm / max(d.numel(), 1) for norm, d in zip(torch._foreach_norm(dens, 1), dens)]
+    active = [d.ge(floor).to(torch.float32) for d, floor in zip(dens, floors)]
+    torch._foreach_mul_(ratios, active)
+    counts = torch.stack(torch._foreach_norm(active, 1)).clamp_(min=1.0)
+    return torch.stack(torch._foreach_norm(ratios)).square_().div_(counts)
 
 
 class GradientScale:
-    """One step's samples of ``follow_gradient_scale``, noted by whoever combined the gradients.
+    """The samples of ``follow_gradient_scale``, noted by whoever combined the gradients, and their folding.
 
-    ``step()`` or the DDP hook :meth:`record` the mean over ranks of :func:`scale_samples` (and the
-    norms handed on as ``p.grad``), the 1-bit momentum step notes the fraction of the gradient that
-    clipping kept (:meth:`note_kept`), and ``step()`` folds them in before the update (:meth:`fold`).
+    ``step()`` or the DDP hook :meth:`record` each tensor's sample (for 1-bit momentum: the mean over
+    ranks of the local samples, with the norm handed on as ``p.grad``); on exact steps of several
+    ranks also the sample of the averaged gradient (:meth:`record_averaged`), for the noise excess
+    ``rho``; the 1-bit momentum step notes the fraction of the gradient that clipping kept
+    (:meth:`note_kept`). ``step()`` then folds them into each tensor's state (:meth:`fold`).
     """
 
     def __init__(self) -> None:
-        #: per parameter: the mean over ranks of its sample, and the norm handed on as ``p.grad``
-        #: (``None``: handed on unclipped)
+        #: per parameter: its sample, and the norm handed on as ``p.grad`` (``None``: unclipped)
         self.samples: dict[Tensor, tuple[Tensor, Tensor | None]] = {}
+        #: per parameter: the sample of the averaged gradient (exact steps of several ranks)
+        self.averaged: dict[Tensor, Tensor] = {}
         #: per parameter: the fraction of the implied gradient's norm that clipping kept this step
         self.kept: dict[Tensor, Tensor] = {}
 
-    def record(
-        self, params: Sequence[Tensor], mean_sq_norms: Tensor, handed_norms: Sequence[Tensor] | None = None
-    ) -> None:
-        for i, p in enumerate(params):
-            self.samples[p] = (mean_sq_norms[i], None if handed_norms is None else handed_norms[i])
+    def record(self, params: Sequence[Tensor], samples: Tensor, handed_norms: Sequence[Tensor] | None = None) -> None:
+        for i, (p, value) in enumerate(zip(params, samples.unbind())):
+            self.samples[p] = (value, None if handed_norms is None else handed_norms[i])
+
+    def record_averaged(self, params: Sequence[Tensor], samples: Tensor) -> None:
+        self.averaged.update(zip(params, samples.unbind()))
 
     def note_kept(self, p: Tensor, fraction: Tensor) -> None:
         self.kept[p] = fraction
@@ -167,40 +154,126 @@ class GradientScale:
     def fold(
         self,
         kind: StepKind,
-        updates: list[tuple[dict[str, Any], Tensor, Tensor]],
+        groups: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]],
         state_of,  # noqa: ANN001
-        group_of,  # noqa: ANN001
         schedule: dict[str, Any],
         enabled: bool,
+        local_samples,  # noqa: ANN001 - (group, params, values) -> this rank's samples (local steps)
     ) -> None:
-        """Fold this step's gradient scale into each tensor's running mean square (before the update)."""
+        """Fold this step's samples into each tensor's ``G`` (and, on exact steps, ``rho``).
+
+        Exact steps update ``v``: ``G`` restarts at 1. Local steps add their samples to each
+        tensor's ``scale_pending``; the next sync pools them over ranks (:meth:`fold_pending`), so
+        that every replica keeps the same ``G``. ``groups``: the step's ``(group, params, values)``.
+        """
         samples, self.samples = self.samples, {}
+        averaged, self.averaged = self.averaged, {}
         kept_fractions, self.kept = self.kept, {}
-        if not enabled or kind is StepKind.ONEBIT_GRADIENT or schedule["variance_updates"] == 0:
-            return  # v is not updated on these steps; before the first update there is no v to compare with
-        count = schedule.get("grad_sq_updates", 0) + 1
-        schedule["grad_sq_updates"] = count
-        for group, p, value in updates:
-            if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):  # this rank's own gradient, as used
-                mean_sq = scale_samples([p], [value], state_of, group_of, schedule["variance_updates"])[0]
-                handed = None
-            elif p in samples:
-                mean_sq, handed = samples[p]
-            else:
+        if not enabled:
+            return
+        if kind is StepKind.EXACT:
+            self._restart(groups, state_of, schedule, samples, averaged)
+            return
+        if schedule["variance_updates"] == 0:
+            return  # no variance yet to compare with
+        local = kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
+        for group, params, values in groups:
+            if local:  # this rank's own gradient, as its local step used it: pooled at the next sync
+                params = [p for p in params if _G in state_of(p)]
+                if not params:
+                    continue
+                q = local_samples(group, params, [v for p, v in zip(params, values) if _G in state_of(p)])
+                pending = [
+                    state_of(p).setdefault(_P, torch.zeros((), dtype=torch.float32, device=p.device)) for p in params
+                ]
+                torch._foreach_add_(pending, list(q.to(torch.float32).unbind()))
                 continue
-            kept: Tensor | float = 1.0
-            if p in kept_fractions:
-                kept = kept_fractions[p]
-            elif handed is not None:  # clipped after the hook handed it on
-                norm = torch.linalg.vector_norm(value, dtype=torch.float32)
-                kept = kept_fraction(norm / torch.where(handed > 0, handed, 1.0))
-            sample(
-                state_of(p),
-                p,
-                mean_sq,
-                kept,
-                group["betas"][1],
-                count,
-                group["bias_correction"],
-                variance_step=kind is StepKind.EXACT,
-            )
+            taken = [(p, v, *samples[p]) for p, v in zip(params, values) if p in samples and _G in state_of(p)]
+            if not taken:
+                continue
+            device = taken[0][0].device
+            q = torch.stack([m.to(device=device, dtype=torch.float32) for _, _, m, _ in taken])
+            kept = [self._kept(p, v, handed, kept_fractions) for p, v, _, handed in taken]
+            if any(k is not None for k in kept):
+                ones = torch.ones((), dtype=torch.float32, device=device)
+                q = q * torch.stack([ones if k is None else k.to(device) for k in kept]).square()
+            self._update(group, [state_of(p) for p, _, _, _ in taken], q, schedule, steps=1)
+        if local:
+            schedule["scale_pending_steps"] = schedule.get("scale_pending_steps", 0) + 1
+        schedule["scale_samples"] = schedule.get("scale_samples", 0) + 1
+
+    def fold_pending(
+        self,
+        groups: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]],
+        state_of,
+        schedule: dict[str, Any],  # noqa: ANN001
+    ) -> None:
+        """At a sync: the local samples since the last one, summed per rank and averaged over ranks, into ``G``.
+
+        ``groups``: ``(group, params, summed samples)``, identical on every rank. ``k`` local steps
+        with the same mean sample ``q`` give ``G <- beta2^k G + (1 - beta2^k) q``.
+        """
+        steps = schedule.get("scale_pending_steps", 0)
+        for group, params, sums in groups:
+            states = [state_of(p) for p in params]
+            for st in states:
+                st.pop(_P, None)
+            keep = [i for i, st in enumerate(states) if _G in st]
+            if steps and keep:
+                q = torch.stack([sums[i].to(torch.float32) for i in keep]) / steps
+                self._update(group, [states[i] for i in keep], q, schedule, steps=steps)
+        schedule["scale_pending_steps"] = 0
+
+    @staticmethod
+    def _pending_entry(state: dict[str, Any], p: Tensor) -> Tensor:
+        if _P not in state:
+            state[_P] = torch.zeros((), dtype=torch.float32, device=p.device)
+        return state[_P]
+
+    @staticmethod
+    def pending(state: dict[str, Any], like: Tensor) -> Tensor:
+        """This rank's local samples summed since the last sync (zero if none)."""
+        return state.get(_P, torch.zeros((), dtype=torch.float32, device=like.device))
+
+    @staticmethod
+    def _update(
+        group: dict[str, Any], states: list[dict[str, Any]], q: Tensor, schedule: dict[str, Any], steps: int
+    ) -> None:
+        """``G <- beta2^k G + (1 - beta2^k) q / (rho c_K)`` for ``k = steps`` steps of mean sample ``q``."""
+        beta2 = group["betas"][1]
+        noise = schedule.get("noise_samples", 0)
+        if noise and all(_R in st for st in states):  # a local gradient is noisier than the average
+            q = q / (torch.stack([st[_R] for st in states]).to(q.device) / (1.0 - beta2**noise))
+        q = q / _correction(beta2, schedule["variance_updates"], group["bias_correction"])
+        decay = beta2**steps
+        current = [st[_G] for st in states]
+        torch._foreach_mul_(current, decay)
+        torch._foreach_add_(current, list(q.unbind()), alpha=1.0 - decay)
+
+    @staticmethod
+    def _restart(groups, state_of, schedule, samples, averaged) -> None:  # noqa: ANN001
+        """A variance update: every ``G`` back to 1; with both samples at hand, one more ``rho`` sample."""
+        schedule["scale_samples"] = 0
+        noise = schedule.get("noise_samples", 0)
+        measured = False
+        for group, params, _ in groups:
+            beta2 = group["betas"][1]
+            for p in params:
+                st = state_of(p)
+                st[_G] = torch.ones((), dtype=torch.float32, device=p.device)
+                if p in samples and p in averaged:
+                    ratio = samples[p][0] / averaged[p].clamp(min=torch.finfo(torch.float32).tiny)
+                    r = st.get(_R, torch.zeros((), dtype=torch.float32, device=p.device))
+                    st[_R] = r * beta2 + ratio.to(r.device, torch.float32) * (1.0 - beta2)
+                    measured = True
+        if measured:
+            schedule["noise_samples"] = noise + 1
+
+    @staticmethod
+    def _kept(p: Tensor, value: Tensor, handed: Tensor | None, kept_fractions: dict) -> Tensor | None:  # noqa: ANN401
+        if p in kept_fractions:
+            return kept_fractions[p]
+        if handed is not None:  # clipped after the hook handed it on
+            norm = torch.linalg.vector_norm(value, dtype=torch.float32)
+            return kept_fraction(norm / torch.where(handed > 0, handed, 1.0))
+        return None

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from hf_zeroone._tensors import all_finite
+from hf_zeroone.optim._functional import by_group
 from hf_zeroone.optim._step_kind import StepKind
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "apply_sync",
     "discard_interval",
     "displacement",
+    "displacements",
     "note_local_step",
     "start_local_phase",
     "sync",
@@ -49,24 +51,51 @@ def displacement(p: Tensor, state: dict[str, Any], out: Tensor) -> None:
         out.copy_(state["sync_param"].mul(state["decay_prod"]).sub_(p))
 
 
+def displacements(params: list[Tensor], states: list[dict[str, Any]], outs: list[Tensor]) -> None:
+    """:func:`displacement` of every parameter into ``outs``, the float32 ones in multi-tensor form."""
+    plain = [i for i, (p, st, out) in enumerate(zip(params, states, outs)) if displacement_is_derived(p, st, out)]
+    if plain:
+        derived = [outs[i] for i in plain]
+        torch._foreach_copy_(derived, [states[i]["sync_param"] for i in plain])
+        torch._foreach_mul_(derived, [float(states[i]["decay_prod"]) for i in plain])
+        torch._foreach_sub_(derived, [params[i] for i in plain])
+    done = set(plain)
+    for i, (p, st, out) in enumerate(zip(params, states, outs)):
+        if i not in done:
+            displacement(p, st, out)
+
+
+def displacement_is_derived(p: Tensor, state: dict[str, Any], out: Tensor) -> bool:
+    """Whether ``u`` of ``p`` is derived from the synced parameters in the output's own dtype."""
+    return "update_accumulator" not in state and p.dtype == out.dtype
+
+
 def apply_sync(
-    p: Tensor, state: dict[str, Any], combined_u: Tensor, c1: float, denominator: Callable[[], Tensor]
+    params: list[Tensor], states: list[dict[str, Any]], combined_u: list[Tensor], c1: float, dens: list[Tensor]
 ) -> None:
     """Back to the last synced parameters, then the averaged displacement (in parameter space).
 
-    The momentum is re-estimated from it, ``m = c1 * d * u / sum(lr)``, with ``d = denominator()``.
+    ``p = decay_prod * sync_param - u`` and the momentum is re-estimated from ``u``,
+    ``m = c1 * d * u / sum(lr)``, with ``d`` from ``dens``; for all tensors of one group at once.
     """
-    combined_u = combined_u.to(p.dtype)
-    p.copy_(state["sync_param"]).mul_(state["decay_prod"]).sub_(combined_u)
-    if state["lr_sum"] > 0:
-        state["exp_avg"].copy_(combined_u).mul_(denominator()).mul_(c1 / state["lr_sum"])
-    if "update_accumulator" in state:
-        if accumulates_displacement(p):
-            state["update_accumulator"].zero_()
-        else:  # derived from now on (a checkpoint of an earlier version brought one)
-            del state["update_accumulator"]
-    state["sync_param"].copy_(p)
-    state["lr_sum"], state["decay_prod"] = 0.0, 1.0
+    us = [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(params, combined_u)]
+    torch._foreach_copy_(params, [st["sync_param"] for st in states])
+    torch._foreach_mul_(params, [float(st["decay_prod"]) for st in states])
+    torch._foreach_sub_(params, us)
+    moved = [i for i, st in enumerate(states) if st["lr_sum"] > 0]
+    if moved:
+        exp_avgs = [states[i]["exp_avg"] for i in moved]
+        torch._foreach_copy_(exp_avgs, [us[i] for i in moved])
+        torch._foreach_mul_(exp_avgs, [dens[i] for i in moved])
+        torch._foreach_mul_(exp_avgs, [c1 / states[i]["lr_sum"] for i in moved])
+    for p, st in zip(params, states):
+        if "update_accumulator" in st:
+            if accumulates_displacement(p):
+                st["update_accumulator"].zero_()
+            else:  # derived from now on (a checkpoint of an earlier version brought one)
+                del st["update_accumulator"]
+        st["lr_sum"], st["decay_prod"] = 0.0, 1.0
+    torch._foreach_copy_([st["sync_param"] for st in states], params)
 
 
 def note_local_step(states: list[dict[str, Any]], dens: list[Tensor], lr: float, c1: float, decay: float) -> None:
@@ -103,17 +132,27 @@ def start_local_phase(params: list[Tensor], state_of: Callable[[Tensor], dict[st
                 state[key].zero_()
 
 
-def sync(opt: Any, synced: list[tuple[dict[str, Any], Tensor, Tensor]]) -> None:  # noqa: ANN401
+def sync(opt: Any, synced: list[tuple[dict[str, Any], Tensor, Tensor]], step: int | None = None) -> None:  # noqa: ANN401
     """Apply a sync's averaged displacements (``(group, param, u)``, identical on every rank) to ``opt``.
+
+    ``step``: the step whose bias correction re-estimates the momentum (default: the coming one,
+    a scheduled sync; a sync between steps uses the last step's).
 
     A non-finite average (an overflowing local update on some rank) discards the local steps since
     the last sync on every rank instead, with a warning.
     """
+    pooled, opt.messages.pending_means = opt.messages.pending_means, {}
+    if not opt.comm.is_distributed:  # one process: its own sums are the mean
+        pooled = {p: opt.grad_scale.pending(opt.state[p], p) for _, p, _ in synced}
     if all_finite(v for _, _, v in synced):
-        for group, p, value in synced:
-            c1, c2 = opt._coefficients(group, StepKind.ONEBIT_SYNC)
-            denominator = lambda g=group, p=p, c2=c2: opt._denominators(g, [p], StepKind.ONEBIT_SYNC, c2)[0]  # noqa: E731
-            apply_sync(p, opt.state[p], value, c1, denominator)
+        for group, params, values in by_group(synced):
+            states = [opt.state[p] for p in params]
+            c1, c2 = opt._coefficients(group, StepKind.ONEBIT_SYNC, step)
+            dens = opt._denominators(group, params, StepKind.ONEBIT_SYNC, c2)
+            apply_sync(params, states, values, c1, dens)
+        if opt.follow_gradient_scale:  # the interval's gradient scale, pooled over ranks: the same G everywhere
+            items = [(g, p, pooled[p]) for g, p, _ in synced if p in pooled]
+            opt.grad_scale.fold_pending(by_group(items), lambda p: opt.state[p], opt.schedule)
         return
     # The combined u is identical on every rank, so every rank takes this branch.
     warnings.warn(

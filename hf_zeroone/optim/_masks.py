@@ -31,6 +31,7 @@ __all__ = [
     "build_masks",
     "clear_activity",
     "known_variance",
+    "index_masked_rows",
     "mask_local_gradients",
     "masked_rows",
     "note_activity",
@@ -50,6 +51,19 @@ def rows(t: Tensor) -> Tensor:
 def masked_rows(state: dict[str, Any]) -> Tensor:
     """Boolean per row: the row has a masked element."""
     return ~rows(state["momentum_mask"]).all(dim=1)
+
+
+def index_masked_rows(state: dict[str, Any]) -> None:
+    """Keep ``masked_rows_index`` (the indices of the masked rows) in step with ``momentum_mask``.
+
+    Flags of masked rows travel in the exact lane of a step's collectives; with the index, the DDP
+    hook gathers and scatters them without reading a device value on the host (the count of
+    masked rows is the index's length). Called wherever the mask changes, and on load.
+    """
+    if "momentum_mask" in state:
+        state["masked_rows_index"] = masked_rows(state).nonzero().squeeze(1)
+    else:
+        state.pop("masked_rows_index", None)
 
 
 def note_activity(state: dict[str, Any], grad: Tensor) -> None:
@@ -94,6 +108,7 @@ def release_rows(state: dict[str, Any], released: Tensor, user_mask: Tensor | No
     mask |= newly
     if bool(mask.all()):
         del state["momentum_mask"]
+    index_masked_rows(state)
 
 
 def known_variance(state: dict[str, Any]) -> tuple[float, int]:
@@ -115,20 +130,19 @@ def released_by_variance(state: dict[str, Any]) -> Tensor:
 
 
 def activity_flags(state: dict[str, Any]) -> Tensor:
-    """One float per masked row: 1 where this rank saw a gradient (for an allreduce)."""
-    masked = masked_rows(state)
+    """One float per masked row (:func:`index_masked_rows` order): 1 where this rank saw a gradient."""
+    index = state["masked_rows_index"]
     pending = state.get("pending_rows")
     if pending is None:
-        return torch.zeros(int(masked.sum()), dtype=torch.float32, device=masked.device)
-    return pending[masked].float()
+        return torch.zeros(index.numel(), dtype=torch.float32, device=index.device)
+    return pending.index_select(0, index).float()
 
 
 def scatter_flags(state: dict[str, Any], flags: Tensor) -> Tensor:
     """Boolean per row from the agreed flags of the masked rows (:func:`activity_flags` order)."""
-    masked = masked_rows(state)
-    released = torch.zeros_like(masked)
-    released[masked] = flags > 0
-    return released
+    index = state["masked_rows_index"]
+    released = torch.zeros(rows(state["momentum_mask"]).shape[0], dtype=torch.bool, device=index.device)
+    return released.scatter_(0, index, flags.to(index.device) > 0)
 
 
 def build_masks(trainable: list[tuple[dict[str, Any], Tensor]], state_of, auto: bool) -> None:  # noqa: ANN001
@@ -145,6 +159,7 @@ def build_masks(trainable: list[tuple[dict[str, Any], Tensor]], state_of, auto: 
             mask = user if mask is None else mask & user
         if mask is not None:
             state["momentum_mask"] = mask.clone()
+            index_masked_rows(state)
 
 
 def _user_mask(group: dict[str, Any], p: Tensor) -> Tensor | None:
@@ -160,14 +175,19 @@ def release_masked_rows(
 ) -> set[int]:
     """Unmask the rows that received a gradient on any rank; returns the ``id`` of every changed parameter.
 
-    On a step with exact gradients (``exact``) the variance says which rows had one; otherwise
-    ``agree`` averages every rank's activity flags (one float per masked row) across ranks.
+    On a step with exact gradients (``exact``) the variance says which rows had one. On a 1-bit
+    step the ranks agreed in the exact lane of the step's collectives (``agreed_rows``, set by
+    :meth:`~hf_zeroone.optim._messages.Messages.finish`); where a parameter has none, ``agree``
+    averages every rank's activity flags (one float per masked row) across ranks.
     """
     masked = [(g, p, state_of(p)) for g, p in trainable if "momentum_mask" in state_of(p)]
     if not masked:
         return set()
+    agreed_in_lane = [s.pop("agreed_rows", None) for _, _, s in masked]
     if exact:
         released = [released_by_variance(s) for _, _, s in masked]
+    elif all(a is not None for a in agreed_in_lane):
+        released = agreed_in_lane
     else:
         flags = [activity_flags(s) for _, _, s in masked]
         agreed = agree(torch.cat(flags))

@@ -6,18 +6,18 @@ during backward, and ``step()``'s own exchange (:mod:`._exchange`). For every ki
 
 1. :meth:`Messages.write`: each parameter's message into a flat buffer's views (compressed
    gradient and momentum messages in units of the update);
-2. :meth:`Messages.exact_floats`: the floats that travel exactly beside the message (per-tensor
-   squared norms and the samples of ``follow_gradient_scale``);
-3. after the collective, :meth:`Messages.from_update_units` and, for 1-bit momentum,
-   :meth:`Messages.read_momentum`, which turns the combined momentum into a gradient-sized
-   implied gradient; ``step()`` takes it back with :meth:`Messages.undo_norm_proxy`.
+2. :meth:`Messages.lane`: the floats that travel exactly beside the messages, in the same
+   collectives (per-tensor squared norms, the samples of ``follow_gradient_scale``, mask flags);
+3. after the collective, :meth:`Messages.finish`: results out of update units, a 1-bit momentum
+   turned into a gradient-sized implied gradient (``step()`` takes it back with
+   :meth:`Messages.undo_norm_proxy`), the samples recorded, the masked rows agreed.
 
-The 1-bit kinds ``ONEBIT_GRADIENT`` and ``ONEBIT_MOMENTUM`` send their message divided by
-per-element weights derived from ``v`` (the same on every rank) and multiply the combined result
-back (:func:`._functional.update_unit_weights`): an element whose variance is far below its
-tensor's is compressed in units of its update, so its compression error cannot become a step of
-many thousand learning rates. ``ONEBIT_SYNC``'s ``u`` is a parameter displacement, already in
-those units.
+The 1-bit kinds ``ONEBIT_GRADIENT`` and ``ONEBIT_MOMENTUM`` clip each local gradient to the
+frozen variance (:func:`._functional.clip_to_variance`) and send their message in units of the
+update, divided by per-element weights derived from ``v`` (the same on every rank); the combined
+result is multiplied back (:func:`._functional.update_unit_weights`). Every element's compression
+error is then a bounded number of learning rates, whatever its own variance and its neighbours'.
+``ONEBIT_SYNC``'s ``u`` is a parameter displacement, sent as it is.
 
 For ``ONEBIT_MOMENTUM`` the combined momentum ``m'`` is turned into the gradient it implies,
 ``g = (m' - beta1 * m) / (1 - beta1)``, identical on every rank; ``m <- beta1 * m + (1 - beta1) * g``
@@ -61,11 +61,13 @@ class Messages:
 
     def __init__(self, optimizer: Any) -> None:  # noqa: ANN401 - a CompressedAdamBase
         self.opt = optimizer
-        #: per parameter, the factor :meth:`read_momentum` applied to this step's implied gradient
+        #: per parameter, the factor :meth:`finish` applied to this step's implied gradient
         #: and the norm it handed on
         self.norm_proxy_factors: dict[Tensor, tuple[Tensor, Tensor]] = {}
         #: per parameter, the fraction of the handed-on norm that clipping left (see contain_spikes)
         self._clip_fractions: list[tuple[Tensor, Tensor]] = []
+        #: per parameter, the mean over ranks of the local samples summed since the last sync
+        self.pending_means: dict[Tensor, Tensor] = {}
 
     def write(
         self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None], outs: Sequence[Tensor],
@@ -73,82 +75,125 @@ class Messages:
     ) -> None:  # fmt: skip
         """Write what this rank sends for each parameter in a ``kind`` step into ``outs`` (fp32, shaped like it).
 
-        Compressed gradient and momentum messages are then put in units of the update
-        (:func:`._functional.update_unit_weights`) unless ``units`` is false (one process: nothing
-        is compressed). Reads the optimizer state and leaves it unchanged, except for noting which
-        masked rows received a gradient: a step that is later skipped (non-finite gradients, a
-        GradScaler overflow) leaves no other trace.
+        On the 1-bit gradient and momentum kinds each local gradient is first clipped to the frozen
+        variance (:func:`._functional.clip_to_variance`, unless the optimizer's ``clip_to_variance``
+        is off), and the message is put in units of the update (:func:`._functional.update_unit_weights`)
+        unless ``units`` is false (one process: nothing is compressed). Reads the optimizer state and
+        leaves it unchanged, except for noting which masked rows received a gradient: a step that is
+        later skipped (non-finite gradients, a GradScaler overflow) leaves no other trace.
         """
-        state = self.opt.state
+        opt, state = self.opt, self.opt.state
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-        if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):
-            for p, g in zip(params, grads):
-                _masks.note_activity(state[p], g)
-        if kind.message_is_gradient:
+        if kind is StepKind.EXACT:
             torch._foreach_copy_(list(outs), grads)
-        elif kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
-            for p, out in zip(params, outs):
-                _local_phase.displacement(p, state[p], out)
-        else:  # ONEBIT_MOMENTUM
-            for group, ps, items in self.opt.grouped(params, list(zip(grads, outs))):
-                gs = [g for g, _ in items]
+            return
+        if kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
+            _local_phase.displacements(params, [state[p] for p in params], outs)
+            return
+        for p, g in zip(params, grads):  # ONEBIT_GRADIENT, ONEBIT_MOMENTUM
+            _masks.note_activity(state[p], g)
+        for group, ps, items in opt.grouped(params, list(zip(grads, outs))):
+            gs, os_ = [g for g, _ in items], [o for _, o in items]
+            c2 = opt._coefficients(group, kind)[1]
+            if opt.clip_to_variance:
+                gs = F.clip_to_variance(gs, opt._denominators(group, ps, kind, c2), group["betas"][1])
+            if kind is StepKind.ONEBIT_GRADIENT:
+                torch._foreach_copy_(os_, gs)
+            else:
                 if group["weight_decay"] and not group["decoupled_weight_decay"]:
                     gs = F.l2_gradients(gs, ps, group["weight_decay"])
-                F.momentum_messages([state[p]["exp_avg"] for p in ps], gs, group["betas"][0], [o for _, o in items])
-        if units:
-            self._update_units(kind, params, outs, divide=True)
+                F.momentum_messages([state[p]["exp_avg"] for p in ps], gs, group["betas"][0], os_)
+            if units:
+                torch._foreach_div_(os_, self._weights(group, ps, c2))
 
-    def from_update_units(self, kind: StepKind, params: Sequence[Tensor], views: Sequence[Tensor]) -> None:
-        """Undo the update units of :meth:`write` on the combined results, in place."""
-        self._update_units(kind, params, views, divide=False)
-
-    def _update_units(self, kind: StepKind, params: Sequence[Tensor], views: Sequence[Tensor], divide: bool) -> None:
-        if kind not in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):
-            return
-        for group, ps, vs in self.opt.grouped(params, views):
-            weights = F.update_unit_weights([self.opt.state[p]["exp_avg_sq"] for p in ps], group["eps"])
-            (torch._foreach_div_ if divide else torch._foreach_mul_)(list(vs), weights)
+    def _weights(self, group: dict[str, Any], params: Sequence[Tensor], c2: float) -> list[Tensor]:
+        return F.update_unit_weights([self.opt.state[p]["exp_avg_sq"] for p in params], c2, group["eps"])
 
     def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
-        """Samples of ``follow_gradient_scale`` from local gradients (:func:`._grad_scale.scale_samples`)."""
+        """Samples of ``follow_gradient_scale`` from local gradients (:func:`._grad_scale.scale_samples`), in order."""
         opt = self.opt
-        return _grad_scale.scale_samples(
-            params, grads, lambda p: opt.state.get(p, {}), opt.group_of, opt.schedule["variance_updates"]
-        )
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        out: dict[int, Tensor] = {}
+        for group, ps, gs in opt.grouped(params, grads):
+            values = _grad_scale.scale_samples(
+                gs, [opt.state[p]["exp_avg_sq"] for p in ps], opt._variance_correction(group), group["eps"]
+            )
+            out.update(zip(map(id, ps), values.unbind()))
+        return torch.stack([out[id(p)] for p in params])
 
-    def exact_floats(self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor | None:
-        """The floats a ``kind`` step averages exactly beside its message, or ``None``.
+    def lane(self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor | None:
+        """The floats a ``kind`` step averages exactly beside the messages of ``params`` (its exact lane), or ``None``.
 
-        1-bit momentum steps: each local gradient's squared norm (clipping sees gradient-sized
-        norms, see :meth:`read_momentum`), then the samples of ``follow_gradient_scale`` when it is
-        on; exact steps: those samples when it is on.
+        In this order: on 1-bit momentum steps each local gradient's squared norm (clipping sees
+        gradient-sized norms, see :meth:`finish`); on 1-bit gradient and momentum steps, and on exact
+        steps of several ranks, when ``follow_gradient_scale`` is on, its samples (:mod:`._grad_scale`);
+        on compressed steps,
+        one flag per masked row of ``params``, 1 where this rank's gradients touched it since the
+        last agreement (:mod:`._masks`). Call it after :meth:`write` (which notes that activity).
         """
-        follow = self.opt.follow_gradient_scale
+        parts = []
         if kind is StepKind.ONEBIT_MOMENTUM:
-            floats = F.local_sq_norms(grads)
-            return torch.cat([floats, self.scale_samples(params, grads)]) if follow else floats
-        if kind is StepKind.EXACT and follow:
-            return self.scale_samples(params, grads)
-        return None
+            parts.append(F.local_sq_norms(grads))
+        if self.opt.follow_gradient_scale and (
+            kind.communicates_in_backward and (kind.compressed or self.opt.comm.is_distributed)
+        ):
+            parts.append(self.scale_samples(params, grads))
+        if kind is StepKind.ONEBIT_SYNC and self.opt.follow_gradient_scale:  # the interval's local samples
+            parts.append(torch.stack([self.opt.grad_scale.pending(self.opt.state[p], p) for p in params]))
+        if kind.compressed:
+            parts += [_masks.activity_flags(self.opt.state[p]) for p in params if "momentum_mask" in self.opt.state[p]]
+        if not parts:
+            return None
+        device = next(iter(params)).device
+        return torch.cat([t.to(device=device, dtype=torch.float32) for t in parts])
 
-    def read_momentum(self, params: Sequence[Tensor], views: Sequence[Tensor], floats: Tensor) -> None:
-        """Combined momenta (in parameter units) into gradient-sized implied gradients, in place.
+    def finish(
+        self, kind: StepKind, params: Sequence[Tensor], views: Sequence[Tensor], lane: Tensor | None,
+        loss_scale: Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Turn the combined ``views`` into what the step applies, in place; ``lane``: the averaged :meth:`lane`.
 
-        ``floats`` is the mean over ranks of :meth:`exact_floats`. Each view becomes the gradient its
-        momentum implies (:func:`._functional.implied_gradients`), rescaled to the root mean square
-        over ranks of the local gradient norms (:func:`._functional.norm_proxy_factors`), so that
-        clipping sees a gradient-sized norm; :meth:`undo_norm_proxy` divides the factor out.
+        Compressed results leave the update units of :meth:`write`. A 1-bit momentum becomes the
+        gradient it implies (:func:`._functional.implied_gradients`), rescaled to the root mean
+        square over ranks of the local gradient norms (:func:`._functional.norm_proxy_factors`), so
+        that clipping sees a gradient-sized norm; :meth:`undo_norm_proxy` divides the factor out.
+        On exact steps of several ranks, the samples of the local gradients (in ``lane``) and of the
+        averaged ones (``views``, divided by ``loss_scale`` when a GradScaler scaled them) measure the
+        local gradients' noise excess (see :mod:`._grad_scale`).
         """
-        opt = self.opt
-        for group, ps, vs in opt.grouped(params, views):
-            F.implied_gradients([opt.state[p]["exp_avg"] for p in ps], vs, group["betas"][0])
-        for p, entry in zip(params, F.norm_proxy_factors(views, floats[: len(params)])):
-            self.norm_proxy_factors[p] = entry
-        if opt.follow_gradient_scale:
-            opt.grad_scale.record(params, floats[len(params) :])
+        opt, n = self.opt, len(params)
+        if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):  # out of the units of write()
+            for group, ps, vs in opt.grouped(params, views):
+                torch._foreach_mul_(list(vs), self._weights(group, ps, opt._coefficients(group, kind)[1]))
+        rest = lane
+        if kind is StepKind.ONEBIT_MOMENTUM:
+            for group, ps, vs in opt.grouped(params, views):
+                F.implied_gradients([opt.state[p]["exp_avg"] for p in ps], vs, group["betas"][0])
+            for p, entry in zip(params, F.norm_proxy_factors(views, rest[:n])):
+                self.norm_proxy_factors[p] = entry
+            rest = rest[n:]
+        if opt.follow_gradient_scale and (
+            kind.communicates_in_backward and (kind.compressed or opt.comm.is_distributed)
+        ):
+            opt.grad_scale.record(params, rest[:n])
+            rest = rest[n:]
+            if kind is StepKind.EXACT:
+                if loss_scale is not None:
+                    views = [v / loss_scale.to(device=v.device, dtype=v.dtype) for v in views]
+                opt.grad_scale.record_averaged(params, self.scale_samples(params, views))
+        if kind is StepKind.ONEBIT_SYNC and opt.follow_gradient_scale:
+            self.pending_means.update(zip(params, rest[:n].unbind()))
+            rest = rest[n:]
+        if kind.compressed:
+            for p in params:
+                state = opt.state[p]
+                if "momentum_mask" in state:
+                    count = state["masked_rows_index"].numel()  # no host read of a device value
+                    state["agreed_rows"] = _masks.scatter_flags(state, rest[:count])
+                    rest = rest[count:]
 
     def undo_norm_proxy(self, p: Tensor, value: Tensor) -> Tensor:
-        """The implied gradient back from what :meth:`read_momentum` handed on (and clipping left).
+        """The implied gradient back from what :meth:`finish` handed on (and clipping left).
 
         If clipping cut it to less than ``_SPIKE_CLIP`` of its norm (a spike, not the routine
         clipping of a run whose gradients hover above the threshold), the error-feedback buffers

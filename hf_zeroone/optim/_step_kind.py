@@ -1,9 +1,32 @@
-"""Step kinds of the compressed optimizers (see :mod:`hf_zeroone.optim._base`) and argument checks."""
+"""Step kinds of the compressed optimizers, and argument checks.
+
+An optimizer step has a :class:`StepKind` fixed by the optimizer's schedule before backward runs.
+Each kind says what every rank contributes (its *message*), how messages are combined across
+ranks, and how the combined *result* updates the state:
+
+================  ==================================  =====================  ==========================
+kind              message of rank i                   combined by            result is used as
+================  ==================================  =====================  ==========================
+EXACT             g_i                                 fp32 allreduce (mean)  gradient: m and v
+ONEBIT_GRADIENT   g_i                                 1-bit allreduce        gradient: m only
+ONEBIT_MOMENTUM   beta1 * m + (1 - beta1) * g_i       1-bit allreduce        new m, as implied gradient
+LOCAL             (nothing sent)                      --                     local gradient: m
+ONEBIT_SYNC       u, after this step's local update   1-bit allreduce        accumulated update u
+================  ==================================  =====================  ==========================
+
+The first three kinds communicate gradient-like messages that are ready when backward ends, so
+the DDP hook sends them during backward. ``ONEBIT_SYNC`` is a local step followed by a sync of
+``u``; since ``u`` needs this step's (possibly clipped) gradient, it is sent in ``step()``, after
+backward and clipping, by every path. Only sync steps (one in up to ``local_step_clipper`` steps
+of 0/1 Adam's local phase) lose the overlap with backward.
+"""
 
 from __future__ import annotations
 
 import enum
 from typing import Any
+
+from torch import Tensor
 
 __all__ = ["StepKind"]
 
@@ -29,6 +52,11 @@ class StepKind(enum.Enum):
     @property
     def compressed(self) -> bool:
         return self in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM, StepKind.ONEBIT_SYNC)
+
+    @property
+    def frozen_variance(self) -> bool:
+        """True when ``v`` is not updated this step (its scale then follows the gradients, see ``._grad_scale``)."""
+        return self is not StepKind.EXACT
 
     @property
     def message_is_gradient(self) -> bool:
@@ -58,3 +86,15 @@ def check_adam_arguments(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> No
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+
+
+def check_param_group(group: dict[str, Any], owner: str) -> None:
+    """Raise ``ValueError`` for what a compressed optimizer cannot train: sparse or complex parameters, a bad mask."""
+    for p in group["params"]:
+        if p.is_sparse:
+            raise ValueError(f"{owner} does not support sparse parameters")
+        if p.is_complex():
+            raise ValueError(f"{owner} does not support complex parameters; use torch.view_as_real on them")
+    mask = group.get("exp_avg_mask")
+    if mask is not None and not isinstance(mask, Tensor):
+        raise ValueError("exp_avg_mask must be a tensor broadcastable to every parameter of its group")

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hf_zeroone.comm import Communicator
-from hf_zeroone.optim._base import CompressedAdamBase
+from hf_zeroone.optim._base import UNSET_FREEZE_STEP, CompressedAdamBase
+from hf_zeroone.optim._schedule import recommended_freeze_step
 from hf_zeroone.optim._step_kind import StepKind, _check_int
 
 __all__ = ["OneBitAdam"]
@@ -51,15 +52,20 @@ class OneBitAdam(CompressedAdamBase):
             (DeepSpeed's option); combined with ``auto_momentum_mask``.
         lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
         freeze_step: number of exact warm-up steps before compression starts (at least 1: the
-            variance is estimated on these steps). For a run of ``T`` steps with an LR warm-up of
-            ``W``: :func:`~hf_zeroone.optim.recommended_freeze_step` ``(T, W)``, the later of ``W``
-            and ``T / 5``.
+            variance is estimated on these steps). ``None`` (default): derived from the run length
+            by :meth:`set_run_length` (``T`` steps, LR warm-up ``W``:
+            :func:`~hf_zeroone.optim.recommended_freeze_step` ``(T, W)``, the later of ``W`` and
+            ``0.3 T``), which ``ZeroOneTrainer`` and ``prepare_zeroone(..., num_training_steps=T)``
+            call; until it is called, DeepSpeed's 100000 (no compression in a shorter run), with a
+            warning at the first step of a distributed run.
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
-        communicator, check_replicas_every, follow_gradient_scale: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
+        communicator, check_replicas_every, follow_gradient_scale, clip_to_variance: see
+            :class:`~hf_zeroone.optim.CompressedAdamBase`.
 
     Example::
 
-        opt = OneBitAdam(model.parameters(), lr=1e-4, freeze_step=1000)
+        opt = OneBitAdam(model.parameters(), lr=1e-4)
+        opt.set_run_length(len(loader) * epochs, warmup_steps=500)  # freeze_step from the run length
         for batch in loader:
             loss = model(**batch).loss
             loss.backward()          # plain model: OneBitAdam communicates in step()
@@ -78,7 +84,7 @@ class OneBitAdam(CompressedAdamBase):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int = 100000,
+        freeze_step: int | None = None,
         *,
         bias_correction: bool = True,
         decoupled_weight_decay: bool = True,
@@ -87,6 +93,7 @@ class OneBitAdam(CompressedAdamBase):
         communicator: Communicator | None = None,
         check_replicas_every: int = 0,
         follow_gradient_scale: bool = True,
+        clip_to_variance: bool = True,
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:
@@ -96,8 +103,10 @@ class OneBitAdam(CompressedAdamBase):
                 "freeze_step=0 would freeze a variance that was never estimated (v = 0): nothing would "
                 "train. Use at least 1 exact step, usually recommended_freeze_step(total_steps, warmup_steps)"
             )
-        _check_int("freeze_step", freeze_step, 1)
-        self.freeze_step = freeze_step
+        if freeze_step is not None:
+            _check_int("freeze_step", freeze_step, 1)
+        self.freeze_step = UNSET_FREEZE_STEP if freeze_step is None else freeze_step
+        self._given = {"freeze_step": freeze_step}
         super().__init__(
             params,
             lr=lr,
@@ -111,7 +120,15 @@ class OneBitAdam(CompressedAdamBase):
             communicator=communicator,
             check_replicas_every=check_replicas_every,
             follow_gradient_scale=follow_gradient_scale,
+            clip_to_variance=clip_to_variance,
         )
+
+    def _derive_schedule(self, num_training_steps: int, warmup_steps: int) -> None:
+        if self._given["freeze_step"] is None:
+            self.freeze_step = recommended_freeze_step(num_training_steps, warmup_steps)
+
+    def _schedule_known(self) -> bool:
+        return self._given["freeze_step"] is not None
 
     def next_step_kind(self) -> StepKind:
         return StepKind.EXACT if self.schedule["step"] < self.freeze_step else StepKind.ONEBIT_MOMENTUM

@@ -5,11 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from hf_zeroone.comm import Communicator
-from hf_zeroone.optim._base import CompressedAdamBase
+from hf_zeroone.optim import _local_phase
+from hf_zeroone.optim._base import UNSET_FREEZE_STEP, CompressedAdamBase
+from hf_zeroone.optim._exchange import exchange
+from hf_zeroone.optim._schedule import recommended_freeze_step, recommended_local_steps
 from hf_zeroone.optim._step_kind import StepKind, _check_int
 
 __all__ = ["ZeroOneAdam"]
@@ -76,7 +80,7 @@ class ZeroOneAdam(CompressedAdamBase):
         lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
         var_freeze_step: first step of phase 2 (at least 1; for a run of ``T`` steps with an LR
             warm-up of ``W``: :func:`~hf_zeroone.optim.recommended_freeze_step` ``(T, 2 * W)``, the
-            later of ``2 W`` and ``T / 5``).
+            later of ``2 W`` and ``0.3 T``).
         var_update_scaler: variance updates between doublings of the variance-step gap
             (:math:`\kappa` in the paper).
         local_step_scaler: local-phase steps between doublings of the sync gap. ``None`` (default):
@@ -98,7 +102,8 @@ class ZeroOneAdam(CompressedAdamBase):
             batches it diverged late in the local phase while exact warm-up tracked AdamW
             (``docs/benchmark.md``).
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
-        communicator, check_replicas_every, follow_gradient_scale: see :class:`~hf_zeroone.optim.CompressedAdamBase`.
+        communicator, check_replicas_every, follow_gradient_scale, clip_to_variance: see
+            :class:`~hf_zeroone.optim.CompressedAdamBase`.
     """
 
     schedule_params = (
@@ -116,10 +121,10 @@ class ZeroOneAdam(CompressedAdamBase):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        var_freeze_step: int = 100000,
+        var_freeze_step: int | None = None,
         var_update_scaler: int = 16,
         local_step_scaler: int | None = None,
-        local_step_clipper: int = 16,
+        local_step_clipper: int | None = None,
         *,
         exact_warmup_steps: int | None = None,
         bias_correction: bool = True,
@@ -129,6 +134,7 @@ class ZeroOneAdam(CompressedAdamBase):
         communicator: Communicator | None = None,
         check_replicas_every: int = 0,
         follow_gradient_scale: bool = True,
+        clip_to_variance: bool = True,
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:
@@ -138,18 +144,25 @@ class ZeroOneAdam(CompressedAdamBase):
                 "var_freeze_step=0 would freeze a variance that was never estimated (v = 0): nothing would "
                 "train. Use at least 1, usually recommended_freeze_step(total_steps, 2 * warmup_steps)"
             )
-        _check_int("var_freeze_step", var_freeze_step, 1)
+        for name, value, minimum in (
+            ("var_freeze_step", var_freeze_step, 1),
+            ("local_step_scaler", local_step_scaler, 1),
+            ("local_step_clipper", local_step_clipper, 1),
+            ("exact_warmup_steps", exact_warmup_steps, 0),
+        ):
+            if value is not None:
+                _check_int(name, value, minimum)
         _check_int("var_update_scaler", var_update_scaler, 1)
-        if local_step_scaler is None:
-            local_step_scaler = max(1, var_freeze_step // 4)
-        _check_int("local_step_scaler", local_step_scaler, 1)
-        _check_int("local_step_clipper", local_step_clipper, 1)
-        if exact_warmup_steps is not None:
-            _check_int("exact_warmup_steps", exact_warmup_steps, 0)
-        self.var_freeze_step = var_freeze_step
+        self._given = {
+            "exact_warmup_steps": exact_warmup_steps,
+            "var_freeze_step": var_freeze_step,
+            "local_step_scaler": local_step_scaler,
+            "local_step_clipper": local_step_clipper,
+        }
+        self.var_freeze_step = UNSET_FREEZE_STEP if var_freeze_step is None else var_freeze_step
         self.var_update_scaler = var_update_scaler
-        self.local_step_scaler = local_step_scaler
-        self.local_step_clipper = local_step_clipper
+        self.local_step_clipper = 16 if local_step_clipper is None else local_step_clipper
+        self.local_step_scaler = max(1, self.var_freeze_step // 4) if local_step_scaler is None else local_step_scaler
         self.exact_warmup_steps = exact_warmup_steps
         super().__init__(
             params,
@@ -164,7 +177,48 @@ class ZeroOneAdam(CompressedAdamBase):
             communicator=communicator,
             check_replicas_every=check_replicas_every,
             follow_gradient_scale=follow_gradient_scale,
+            clip_to_variance=clip_to_variance,
         )
+
+    def _derive_schedule(self, num_training_steps: int, warmup_steps: int) -> None:
+        given = self._given
+        if given["exact_warmup_steps"] is None and warmup_steps > 0:
+            self.exact_warmup_steps = warmup_steps
+        if given["var_freeze_step"] is None:
+            self.var_freeze_step = recommended_freeze_step(num_training_steps, 2 * warmup_steps)
+        local = recommended_local_steps(num_training_steps, self.var_freeze_step, given["local_step_clipper"])
+        self.local_step_clipper = local["local_step_clipper"]
+        if given["local_step_scaler"] is None:
+            self.local_step_scaler = local["local_step_scaler"]
+
+    def _schedule_known(self) -> bool:
+        return self._given["var_freeze_step"] is not None
+
+    @property
+    def in_sync(self) -> bool:
+        """``False`` between two syncs of the local phase: every replica has taken local steps of its own."""
+        return not (self.schedule.get("local_phase_started") and self.schedule["steps_since_sync"] > 0)
+
+    @torch.no_grad()
+    def synchronize(self) -> bool:
+        """Bring every replica to the same parameters now: the 1-bit sync of the local phase, out of schedule.
+
+        In the local phase, replicas differ between syncs; call this on every rank (it is a
+        collective) between two steps where a run needs one model, e.g. after the last step, before
+        an evaluation or a checkpoint (``ZeroOneTrainer`` and ``prepare_zeroone`` do it for their
+        checkpoints and at the end of training). It averages the displacements since the last sync
+        (1-bit, with error feedback, as a scheduled sync does), after which parameters and momentum
+        are bit-identical on every rank, and the next sync interval starts here. Returns whether it
+        synced (``False`` outside the local phase or right after a sync: nothing to do).
+        """
+        if self.in_sync or not self.comm.is_distributed:
+            return False
+        stats = self.comm.stats.copy()
+        _local_phase.sync(self, exchange(self, StepKind.ONEBIT_SYNC), step=self.schedule["step"])
+        self._release_masked_rows(StepKind.ONEBIT_SYNC)
+        self.schedule["steps_since_sync"] = 0
+        self.last_step_stats = self.last_step_stats + (self.comm.stats - stats)
+        return True
 
     def _initial_schedule(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,296 @@
+"""The books of a communication-compressed Adam optimizer: groups, state, schedule counters, checkpoints.
+
+:class:`OptimizerBooks` holds what a :class:`~hf_zeroone.optim.CompressedAdamBase` keeps between
+steps and the settings that shape its schedule (the run length, :meth:`OptimizerBooks.set_run_length`),
+with their checks; :class:`~hf_zeroone.optim.CompressedAdamBase` adds the step itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from hf_zeroone._warnings import user_stacklevel
+from hf_zeroone.comm import CommStats, Communicator
+from hf_zeroone.optim import _checkpoint, _grad_scale, _memory
+from hf_zeroone.optim import _functional as F
+from hf_zeroone.optim._flat import FlatBufferCache, FlatBuffers
+from hf_zeroone.optim._functional import by_group
+from hf_zeroone.optim._grad_scale import GradientScale
+from hf_zeroone.optim._messages import Messages
+from hf_zeroone.optim._step_kind import StepKind, _check_int, check_adam_arguments, check_param_group
+
+__all__ = ["UNSET_FREEZE_STEP", "OptimizerBooks"]
+
+#: the variance freeze of an optimizer whose run length was never given: DeepSpeed's default,
+#: which means no compression in a run shorter than that (see OptimizerBooks.set_run_length)
+UNSET_FREEZE_STEP = 100000
+
+
+class OptimizerBooks(Optimizer):
+    """Parameter groups, per-parameter state, schedule counters, communicator and checkpoints (see the module)."""
+
+    #: the hyper-parameters that define the schedule (stored in ``state_dict``); set by subclasses
+    schedule_params: tuple[str, ...] = ()
+    #: when ``step()`` communicates (no DDP hook ran, and every sync of 0/1 Adam), parameters go in
+    #: buckets of at most this many elements, one message at a time: 25 MiB of fp32, DDP's default
+    #: bucket size. Bounds the transient memory of a step; a larger parameter gets a bucket of its own.
+    step_bucket_numel: int = 25 * 2**20 // 4
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        bias_correction: bool,
+        decoupled_weight_decay: bool,
+        process_group: dist.ProcessGroup | None,
+        auto_momentum_mask: bool,
+        communicator: Communicator | None,
+        check_replicas_every: int = 0,
+        follow_gradient_scale: bool = True,
+        clip_to_variance: bool = True,
+    ) -> None:
+        _check_int("check_replicas_every", check_replicas_every, 0)
+        check_adam_arguments(lr, betas, eps, weight_decay)
+        defaults = dict(
+            lr=float(lr),
+            betas=(float(betas[0]), float(betas[1])),
+            eps=float(eps),
+            weight_decay=float(weight_decay),
+            bias_correction=bool(bias_correction),
+            decoupled_weight_decay=bool(decoupled_weight_decay),
+        )
+        super().__init__(params, defaults)
+        self.auto_momentum_mask = bool(auto_momentum_mask)
+        self.follow_gradient_scale = bool(follow_gradient_scale)
+        self.clip_to_variance = bool(clip_to_variance)
+        self.comm = communicator if communicator is not None else Communicator(process_group)
+        self.schedule: dict[str, Any] = {
+            "step": 0,
+            "variance_updates": 0,
+            "masks_ready": False,
+            "scale_samples": 0,  # samples folded into the gradient scale since the last variance update (._grad_scale)
+            "noise_samples": 0,  # exact steps that measured the local gradients' noise excess (._grad_scale)
+        }
+        self.schedule.update(self._initial_schedule())
+        #: the flat error buffers, one per list of parameters communicated together (see ._flat)
+        self.flat_cache = FlatBufferCache(
+            lambda p: self.state[p], self.comm.world_size, self.comm.rank, type(self).__name__
+        )
+        #: this step's samples of follow_gradient_scale (see ._grad_scale)
+        self.grad_scale = GradientScale()
+        self._prepared_step = -1
+        self._group_of: dict[int, dict[str, Any]] | None = None
+        #: set by a DDP hook: the step whose results are already in ``p.grad``
+        self.communicated_step: int | None = None
+        self._stats_at_step_start = CommStats()
+        #: bytes and collectives of the last completed step, and its kind
+        self.last_step_stats = CommStats()
+        self.last_step_kind: StepKind | None = None
+        self._warned_step_path = False
+        self.check_replicas_every = check_replicas_every
+        self._syncs_since_check = 0
+        #: what each rank sends and what the combined results become (hook and step() alike)
+        self.messages = Messages(self)
+        for group in self.param_groups:
+            check_param_group(group, type(self).__name__)
+
+    # ------------------------------------------------------------------ subclass interface
+    def _initial_schedule(self) -> dict[str, Any]:
+        return {}
+
+    def next_step_kind(self) -> StepKind:
+        """The kind of the coming step (a pure function of the schedule state)."""
+        raise NotImplementedError
+
+    def _advance_schedule(self, kind: StepKind) -> None:
+        raise NotImplementedError
+
+    def _derive_schedule(self, num_training_steps: int, warmup_steps: int) -> None:
+        raise NotImplementedError
+
+    def _schedule_known(self) -> bool:
+        """Whether the variance freeze was given (or derived by :meth:`set_run_length`)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ run length and replicas
+    def set_run_length(self, num_training_steps: int, warmup_steps: int = 0) -> None:
+        """Derive the schedule settings left unset from the run's length, before the first step.
+
+        ``num_training_steps``: optimizer steps of the run (a script's ``max_train_steps``: with
+        gradient accumulation, the steps of ``step()``, not the micro-batches); ``warmup_steps``:
+        the LR warm-up in the same steps (what the script passes for it, *before* multiplying it by
+        the number of processes for an Accelerate scheduler). Settings given to the constructor are
+        kept; the others follow :func:`~hf_zeroone.optim.recommended_freeze_step` and
+        :func:`~hf_zeroone.optim.recommended_local_steps`, as ``ZeroOneTrainer`` derives them.
+        """
+        _check_int("num_training_steps", num_training_steps, 1)
+        _check_int("warmup_steps", warmup_steps, 0)
+        if self.schedule["step"] > 0:
+            raise ValueError(
+                f"{type(self).__name__}.set_run_length must be called before the first step (this optimizer "
+                f"has taken {self.schedule['step']}): the schedule decides what the first steps communicate"
+            )
+        self._derive_schedule(num_training_steps, warmup_steps)
+        self._run_length = (num_training_steps, warmup_steps)
+
+    @property
+    def in_sync(self) -> bool:
+        """Whether every replica holds the same parameters now (always, but between 0/1 Adam's syncs)."""
+        return True
+
+    def synchronize(self) -> bool:
+        """Make every replica hold the same parameters; returns whether anything was sent.
+
+        1-bit Adam's replicas are identical after every step, so there is nothing to do; see
+        :meth:`ZeroOneAdam.synchronize <hf_zeroone.optim.ZeroOneAdam.synchronize>` for the local phase.
+        """
+        return False
+
+    def _warn_unset_schedule(self) -> None:
+        if self.comm.is_distributed and not self._schedule_known() and getattr(self, "_run_length", None) is None:
+            warnings.warn(
+                f"{type(self).__name__}: the variance freeze was not given and the run length is unknown, so "
+                f"compression starts only at step {UNSET_FREEZE_STEP} (DeepSpeed's default). Call "
+                "optimizer.set_run_length(num_training_steps, warmup_steps) before training, pass "
+                "num_training_steps= to hf_zeroone.integrations.prepare_zeroone, or give the freeze step.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+    # ------------------------------------------------------------------ groups and validation
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "schedule"):  # not during __init__
+            check_param_group(self.param_groups[-1], type(self).__name__)
+            self.flat_cache.clear()
+            self._group_of = None
+
+    def trainable_params(self) -> list[tuple[dict[str, Any], Tensor]]:
+        """``(group, param)`` for every parameter that requires a gradient, in group order."""
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def group_of(self, p: Tensor) -> dict[str, Any]:
+        """The parameter group that holds ``p``."""
+        if self._group_of is None:
+            self._group_of = {id(q): g for g in self.param_groups for q in g["params"]}
+        try:
+            return self._group_of[id(p)]
+        except KeyError:
+            raise ValueError(
+                f"a parameter of shape {tuple(p.shape)} is not managed by this {type(self).__name__}; "
+                "pass all trainable parameters of the model to the optimizer"
+            ) from None
+
+    def grouped(self, params: Sequence[Tensor], values: Sequence[Any]) -> list[tuple[dict[str, Any], list, list]]:
+        """``(group, params, values)`` per parameter group of ``params``, in order of first appearance."""
+        return by_group([(self.group_of(p), p, v) for p, v in zip(params, values)])
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Cumulative bytes and collectives this rank has sent (see :class:`CommStats`)."""
+        return self.comm.stats
+
+    # ------------------------------------------------------------------ coefficients
+    def _coefficients(self, group: dict[str, Any], kind: StepKind, step: int | None = None) -> tuple[float, float]:
+        """``(c1, c2)``: bias corrections of m and v for the coming step, or step ``step`` (1 when disabled)."""
+        if not group["bias_correction"]:
+            return 1.0, 1.0
+        beta1, beta2 = group["betas"]
+        t = self.schedule["step"] + 1 if step is None else step
+        k = self.schedule["variance_updates"] + (1 if kind is StepKind.EXACT else 0)
+        c2 = 1.0 - beta2**k if k > 0 else 1.0
+        return 1.0 - beta1**t, c2
+
+    def _denominators(self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float) -> list[Tensor]:
+        """``sqrt(v / c2) + eps``; after the freeze ``v`` follows the gradient's scale (:mod:`._grad_scale`).
+
+        Inside ``step()``, a frozen variance's denominators are computed once and reused by the
+        clipping, the update and a sync (``v`` and the scale do not change within the step).
+        """
+        cache = getattr(self, "_step_denominators", None)
+        if cache is None or kind is StepKind.EXACT:
+            return self._compute_denominators(group, params, kind, c2)
+        missing = [p for p in params if (id(p), kind, c2) not in cache]
+        if missing:
+            cache.update(
+                ((id(p), kind, c2), d) for p, d in zip(missing, self._compute_denominators(group, missing, kind, c2))
+            )
+        return [cache[(id(p), kind, c2)] for p in params]
+
+    def _compute_denominators(
+        self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float
+    ) -> list[Tensor]:
+        factors = None
+        if self.follow_gradient_scale and kind.frozen_variance:
+            states = [self.state[p] for p in params]
+            factors = _grad_scale.factors(
+                states,
+                group["betas"][1],
+                self.schedule["variance_updates"],
+                self.schedule.get("scale_samples", 0),
+                group["bias_correction"],
+            )
+            if not self.clip_to_variance:  # unclipped samples: v may only shrink (see ._grad_scale)
+                factors = [None if f is None else f.clamp(max=1.0) for f in factors]
+        return F.denominators([self.state[p]["exp_avg_sq"] for p in params], c2, group["eps"], factors)
+
+    def _variance_correction(self, group: dict[str, Any]) -> float:
+        """``c2`` of the variance as it stands (before this step's update, if it makes one)."""
+        k = self.schedule["variance_updates"]
+        return 1.0 - group["betas"][1] ** k if group["bias_correction"] and k > 0 else 1.0
+
+    def flat_buffers(self, params: Sequence[Tensor]) -> FlatBuffers:
+        """Flat error buffers for ``params`` in this order (cached per order; see :mod:`._flat`)."""
+        return self.flat_cache.get(params)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of tensor storage this optimizer holds, by role (see :func:`._memory.state_bytes`)."""
+        return _memory.state_bytes(self)
+
+    # ------------------------------------------------------------------ checkpoints (see ._checkpoint)
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's optimizer state plus the schedule counters and this rank's identity (see :mod:`._checkpoint`).
+
+        Warns when taken between two syncs of 0/1 Adam's local phase (replicas differ then): call
+        :meth:`synchronize` on every rank first.
+        """
+        if not self.in_sync and self.comm.is_distributed:
+            warnings.warn(
+                f"{type(self).__name__}: state_dict() taken between two syncs (step {self.schedule['step']}): every "
+                "rank holds parameters of its own. Call optimizer.synchronize() on every rank before saving "
+                "(ZeroOneTrainer and prepare_zeroone's save_state do).",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+        return _checkpoint.add_extra(super().state_dict(), self)
+
+    def defer_rank_state(self, state_dict: dict[str, Any]) -> None:
+        """Make the next :meth:`load_state_dict` load ``state_dict`` instead of the state it is given.
+
+        For frameworks that hand every rank the state saved by rank 0 (``accelerate``'s
+        ``load_state``): each rank defers its own saved state first, keeping its error buffers.
+        """
+        self._deferred_state = state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; error buffers from another world size or rank are reset.
+
+        Checkpoints of earlier versions, whose ``server_error`` entries are full-size, load too.
+        """
+        deferred, self._deferred_state = getattr(self, "_deferred_state", None), None
+        plain, restore = _checkpoint.split_for_torch(self, deferred if deferred is not None else state_dict)
+        super().load_state_dict(plain)
+        restore()
+        self.flat_cache.clear()
+        self._prepared_step = -1
+        self.communicated_step = None

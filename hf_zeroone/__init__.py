@@ -9,16 +9,18 @@ from hf_zeroone.compression import ChunkLayout
 from hf_zeroone.ddp_hook import ZeroOneHookState, register_zeroone_hook, zeroone_hook
 from hf_zeroone.optim import (
     CompressedAdamBase,
+    DeepSpeedConfigNote,
     OneBitAdam,
     StepKind,
     ZeroOneAdam,
+    from_deepspeed_config,
     recommended_freeze_step,
     recommended_local_steps,
 )
 
 __version__ = "0.1.0"
 
-_LAZY = {"ZeroOneTrainer", "ZeroOneTrainingArguments", "prepare_zeroone"}
+_LAZY = {"ZeroOneTrainer", "ZeroOneTrainerMixin", "ZeroOneTrainingArguments", "prepare_zeroone", "with_zeroone"}
 
 
 def __getattr__(name: str):  # the HF integrations import transformers: load them on first use
@@ -34,16 +36,20 @@ __all__ = [
     "CommStats",
     "Communicator",
     "CompressedAdamBase",
+    "DeepSpeedConfigNote",
     "OneBitAdam",
     "StepKind",
     "ZeroOneAdam",
     "ZeroOneHookState",
     "ZeroOneTrainer",
+    "ZeroOneTrainerMixin",
     "ZeroOneTrainingArguments",
     "__version__",
+    "from_deepspeed_config",
     "prepare_zeroone",
     "recommended_freeze_step",
     "recommended_local_steps",
     "register_zeroone_hook",
+    "with_zeroone",
     "zeroone_hook",
 ]

@@ -21,18 +21,18 @@ def test_warmup_ratio_works_as_keyword_and_flag():
     args = ZeroOneTrainingArguments(output_dir="out", optim_compression="zeroone_adam", warmup_ratio=0.1, report_to=[])
     assert args.get_warmup_steps(1000) == 100
     assert args.compression_schedule(1000)["exact_warmup_steps"] == 100
-    assert args.compression_schedule(1000)["var_freeze_step"] == 200
+    assert args.compression_schedule(1000)["var_freeze_step"] == 300
     (parsed,) = HfArgumentParser(ZeroOneTrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", "out", "--optim_compression", "onebit_adam", "--warmup_ratio", "0.25", "--report_to", "none"]
     )
-    # the variance freezes at the later of the warm-up and 20% of the run
-    assert parsed.get_warmup_steps(40) == 10 and parsed.compression_schedule(40) == {"freeze_step": 10}
+    # the variance freezes at the later of the warm-up and 30% of the run
+    assert parsed.get_warmup_steps(40) == 10 and parsed.compression_schedule(40) == {"freeze_step": 12}
     # whole steps mean the same on every version; no warm-up at all falls back to 10% of the run
     steps = ZeroOneTrainingArguments(output_dir="out", optim_compression="onebit_adam", warmup_steps=7, report_to=[])
-    assert steps.compression_schedule(1000) == {"freeze_step": 200}
+    assert steps.compression_schedule(1000) == {"freeze_step": 300}
     assert steps.compression_schedule(20) == {"freeze_step": 7}
     none = ZeroOneTrainingArguments(output_dir="out", optim_compression="onebit_adam", report_to=[])
-    assert none.compression_schedule(1000) == {"freeze_step": 200}
+    assert none.compression_schedule(1000) == {"freeze_step": 300}
 
 
 def test_warmup_ratio_out_of_range_is_refused():

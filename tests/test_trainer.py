@@ -212,12 +212,12 @@ def test_an_epoch_based_run_derives_the_schedule_from_its_length(tmp_path):
     )  # fmt: skip
     trainer = ZeroOneTrainer(model=tiny_bert(), args=args, train_dataset=TokenParityDataset(n=80))
     trainer.create_optimizer_and_scheduler(num_training_steps=30)  # 3 epochs of 10 steps
-    assert (trainer.optimizer.exact_warmup_steps, trainer.optimizer.var_freeze_step) == (3, 6)
+    assert (trainer.optimizer.exact_warmup_steps, trainer.optimizer.var_freeze_step) == (3, 9)
 
     trainer = ZeroOneTrainer(model=tiny_bert(), args=args, train_dataset=TokenParityDataset(n=80))
     trainer.train()
     assert trainer.state.global_step == 30
-    assert (trainer.optimizer.optimizer.exact_warmup_steps, trainer.optimizer.optimizer.var_freeze_step) == (3, 6)
+    assert (trainer.optimizer.optimizer.exact_warmup_steps, trainer.optimizer.optimizer.var_freeze_step) == (3, 9)
 
 
 def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
@@ -244,16 +244,16 @@ def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
     )
     (args,) = HfArgumentParser(ZeroOneTrainingArguments).parse_json_file(str(config))
     assert args.compression_schedule(1000) == {
-        "var_freeze_step": 200,  # the later of twice the warm-up and 20% of the run
+        "var_freeze_step": 300,  # the later of twice the warm-up and 30% of the run
         "exact_warmup_steps": 10,
         "var_update_scaler": 16,
-        "local_step_scaler": 50,  # (1000 - 200) // (4 * log2(16)): the gap reaches 16 a quarter into the local phase
+        "local_step_scaler": 43,  # (1000 - 300) // (4 * log2(16)): the gap reaches 16 a quarter into the local phase
         "local_step_clipper": 16,
     }
-    # a 90-step run (freeze at 2 x 10, 70 local-phase steps): the largest gap is 4 (70 // 16), not 16,
-    # and the gap doubles every 70 // (4 * 2) steps
+    # a 90-step run (freeze at 27, 63 local-phase steps): the largest gap is 2 (63 // 16 = 3, rounded down
+    # to a power of two), not 16, and the gap doubles every 63 // (4 * 1) steps
     short = args.compression_schedule(90)
-    assert (short["var_freeze_step"], short["local_step_clipper"], short["local_step_scaler"]) == (20, 4, 8)
+    assert (short["var_freeze_step"], short["local_step_clipper"], short["local_step_scaler"]) == (27, 2, 15)
     help_text = HfArgumentParser(ZeroOneTrainingArguments).format_help()
     assert "1-bit Adam: exact steps before compression" in help_text
 

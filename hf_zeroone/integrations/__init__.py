@@ -11,6 +11,9 @@ from typing import Any
 _EXPORTS = {
     "ZeroOneTrainingArguments": "hf_zeroone.integrations.training_args",
     "ZeroOneTrainer": "hf_zeroone.integrations.trainer",
+    "ZeroOneTrainerMixin": "hf_zeroone.integrations.trainer",
+    "ZeroOneArgumentsMixin": "hf_zeroone.integrations.training_args",
+    "with_zeroone": "hf_zeroone.integrations.trainer",
     "CommStatsCallback": "hf_zeroone.integrations.trainer",
     "prepare_zeroone": "hf_zeroone.integrations.accelerate_plugin",
     "check_distributed_launch": "hf_zeroone.integrations.launch",

@@ -1,17 +1,25 @@
 """Accelerate plugin: the compressed optimizer and DDP hook in a custom ``accelerate launch`` script.
 
-Two added lines in a usual Accelerate training script::
+Three added lines in a usual Accelerate training script (``run_clm_no_trainer.py`` and the like)::
 
     from hf_zeroone import ZeroOneAdam
     from hf_zeroone.integrations import prepare_zeroone
 
     accelerator = Accelerator()
-    optimizer = ZeroOneAdam(model.parameters(), lr=1e-4, var_freeze_step=1000)      # 1
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    hook_state = prepare_zeroone(accelerator, model, optimizer)                     # 2
-    ...
-    accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
-    optimizer.optimizer.last_step_kind   # the hf_zeroone optimizer under Accelerate's wrapper
+    optimizer = ZeroOneAdam(model.parameters(), lr=1e-4)                            # 1
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    prepare_zeroone(accelerator, model, optimizer,                                  # 2
+                    num_training_steps=max_train_steps, num_warmup_steps=num_warmup_steps)
+    for batch in loader:
+        ...
+        accelerator.backward(loss); optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    optimizer.optimizer.synchronize()   # 3: one model on every rank before evaluating or saving
+
+``num_training_steps`` and ``num_warmup_steps`` are optimizer steps, as the script computes them
+*before* it multiplies them by the number of processes for Accelerate's scheduler: the optimizer
+derives the schedule settings left unset from them (:meth:`~hf_zeroone.optim.CompressedAdamBase.set_run_length`).
+0/1 Adam's replicas differ between the syncs of its local phase: ``synchronize()`` after the loop
+makes them one model (``accelerator.save_state`` syncs them itself).
 
 ``prepare_zeroone`` registers :func:`hf_zeroone.ddp_hook.zeroone_hook` on the model Accelerate
 wrapped in ``DistributedDataParallel``. (Accelerate matches ``kwargs_handlers`` by exact class,
@@ -44,13 +52,25 @@ _UNSUPPORTED = {
 }
 
 
-def prepare_zeroone(accelerator: Any, model: Any, optimizer: Any) -> ZeroOneHookState | None:
+def prepare_zeroone(
+    accelerator: Any,
+    model: Any,
+    optimizer: Any,
+    *,
+    num_training_steps: int | None = None,
+    num_warmup_steps: int = 0,
+) -> ZeroOneHookState | None:
     """Install the hf_zeroone communication hook on an Accelerate-prepared DDP model.
 
     Args:
         accelerator: the ``accelerate.Accelerator``.
         model: the model returned by ``accelerator.prepare`` (DDP-wrapped when distributed).
         optimizer: the prepared optimizer (an ``AcceleratedOptimizer`` around a hf_zeroone one).
+        num_training_steps: the run's optimizer steps; the optimizer derives the schedule settings
+            it was not given from them (``set_run_length``). Without it, and without a freeze step
+            given to the optimizer, the first step warns that compression would start at step 100000.
+        num_warmup_steps: the LR warm-up, in optimizer steps (not multiplied by the number of
+            processes, as scripts do for Accelerate's scheduler).
 
     Returns:
         The hook state, or ``None`` in a single process (nothing to communicate; a
@@ -69,6 +89,8 @@ def prepare_zeroone(accelerator: Any, model: Any, optimizer: Any) -> ZeroOneHook
         raise ValueError(
             f"prepare_zeroone needs a hf_zeroone optimizer (OneBitAdam, ZeroOneAdam), got {type(opt).__name__}"
         )
+    if num_training_steps is not None:
+        opt.set_run_length(num_training_steps, num_warmup_steps)
     world = check_distributed_launch("prepare_zeroone")
     if accelerator.num_processes == 1 and world == 1:
         warn_single_process("prepare_zeroone", opt, "accelerate")
@@ -89,12 +111,15 @@ def _keep_every_rank_state(accelerator: Any, opt: CompressedAdamBase) -> None:
 
     ``save_state`` writes rank 0's optimizer state only, and ``load_state`` gives it to every rank,
     whose error buffers would then be reset. Each rank also writes its own file, and on
-    ``load_state`` each rank loads its own file in place of rank 0's state.
+    ``load_state`` each rank loads its own file in place of rank 0's state. Between two syncs of
+    0/1 Adam's local phase, ``save_state`` syncs the replicas first (every rank calls it), so the
+    saved model is the one every rank holds.
     """
     if not hasattr(accelerator, "register_save_state_pre_hook"):
         return
 
     def save(models: Any, weights: Any, output_dir: str) -> None:
+        opt.synchronize()
         save_rank_state(opt, output_dir)
 
     def load(models: Any, input_dir: str) -> None:

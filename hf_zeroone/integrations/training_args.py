@@ -1,33 +1,51 @@
-"""``ZeroOneTrainingArguments``: TrainingArguments with the 1-bit / 0/1 Adam settings as CLI flags."""
+"""``ZeroOneTrainingArguments``: TrainingArguments with the 1-bit / 0/1 Adam settings as CLI flags.
+
+The settings are a dataclass mixin, :class:`ZeroOneArgumentsMixin`, so any ``TrainingArguments``
+subclass can carry them (TRL's ``SFTConfig``, ``Seq2SeqTrainingArguments``)::
+
+    @dataclass
+    class ZeroOneSFTConfig(ZeroOneArgumentsMixin, SFTConfig):
+        pass
+
+or ``with_zeroone(SFTConfig)``, which builds that class (:mod:`hf_zeroone.integrations`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
+from typing import Any
 
+import torch
 from transformers import TrainingArguments
 
-from hf_zeroone.optim import recommended_freeze_step, recommended_local_steps
+from hf_zeroone.comm import Communicator
+from hf_zeroone.optim import CompressedAdamBase, OneBitAdam, ZeroOneAdam
+from hf_zeroone.optim._deepspeed import deepspeed_optimizer_section, optimizer_kwargs
 
 OPTIMIZER_CHOICES = ("adamw_torch", "onebit_adam", "zeroone_adam")
+_CLASSES = {"onebit_adam": OneBitAdam, "zeroone_adam": ZeroOneAdam}
 
 #: transformers 4.x has a ``warmup_ratio`` field; 5.x dropped it (a ``warmup_steps`` below 1 is the ratio there)
 _BASE_HAS_WARMUP_RATIO = "warmup_ratio" in {f.name for f in fields(TrainingArguments)}
+#: DeepSpeed's "auto" values, from the TrainingArguments that Hugging Face fills them with
+_AUTO = {"lr": "learning_rate", "eps": "adam_epsilon", "weight_decay": "weight_decay"}
 
 
 @dataclass
-class ZeroOneTrainingArguments(TrainingArguments):
-    """:class:`transformers.TrainingArguments` plus the communication-compressed optimizer settings.
+class ZeroOneArgumentsMixin:
+    """The communication-compressed optimizer settings, for any ``TrainingArguments`` subclass (put it first).
 
     Every field is a command-line flag of ``HfArgumentParser`` and a key of a JSON config. Names of
     the schedule fields follow DeepSpeed. Steps left at ``None`` are derived from the run's ``T``
     optimizer steps and its LR warm-up ``W`` (the number of warm-up steps the LR scheduler uses;
-    10% of the training steps when there is no warm-up), with
-    :func:`hf_zeroone.optim.recommended_freeze_step` (the later of its argument and 20% of the run):
-    ``freeze_step = recommended_freeze_step(T, W)`` for 1-bit Adam; ``exact_warmup_steps = W`` and
-    ``var_freeze_step = recommended_freeze_step(T, 2 W)`` for 0/1 Adam, whose ``local_step_scaler`` and
-    ``local_step_clipper`` come from :func:`hf_zeroone.optim.recommended_local_steps` (the largest sync
-    gap 16 but at most a sixteenth of the local phase, reached a quarter of the way into it).
+    10% of the training steps when there is no warm-up) by the optimizer's ``set_run_length``:
+    ``freeze_step = recommended_freeze_step(T, W)`` (the later of ``W`` and 30% of the run) for
+    1-bit Adam; ``exact_warmup_steps = W`` and ``var_freeze_step = recommended_freeze_step(T, 2 W)``
+    for 0/1 Adam, whose ``local_step_scaler`` and ``local_step_clipper`` come from
+    ``recommended_local_steps`` (the largest sync gap 16 but at most a sixteenth of the local
+    phase, reached a quarter of the way into it).
 
     ``warmup_ratio`` works on every supported transformers version: 4.x has the field; on 5.x,
     which dropped it (there a ``warmup_steps`` below 1 is a ratio), this class adds it and passes
@@ -43,18 +61,26 @@ class ZeroOneTrainingArguments(TrainingArguments):
             "choices": list(OPTIMIZER_CHOICES),
         },
     )
+    from_deepspeed_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "A DeepSpeed config (JSON) whose optimizer section (OneBitAdam or ZeroOneAdam) defines the "
+            "optimizer, for runs that passed --deepspeed only for it. Sets optim_compression; 'auto' values "
+            "come from these arguments (learning_rate, adam_beta1/2, adam_epsilon, weight_decay)."
+        },
+    )
     freeze_step: int | None = field(
         default=None,
         metadata={
             "help": "1-bit Adam: exact steps before compression and the variance freeze (default: the later of "
-            "the LR warm-up and a fifth of the run)."
+            "the LR warm-up and 30 percent of the run)."
         },
     )
     var_freeze_step: int | None = field(
         default=None,
         metadata={
             "help": "0/1 Adam: variance freeze, first step of the local-step phase (default: the later of twice "
-            "the LR warm-up and a fifth of the run)."
+            "the LR warm-up and 30 percent of the run)."
         },
     )
     var_update_scaler: int = field(
@@ -117,7 +143,9 @@ class ZeroOneTrainingArguments(TrainingArguments):
     def __post_init__(self) -> None:
         if not _BASE_HAS_WARMUP_RATIO:
             self._warmup_ratio_to_steps()
-        super().__post_init__()
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
         if self.optim_compression not in OPTIMIZER_CHOICES:
             raise ValueError(
                 f"optim_compression must be one of {', '.join(OPTIMIZER_CHOICES)}, got {self.optim_compression!r}"
@@ -131,6 +159,8 @@ class ZeroOneTrainingArguments(TrainingArguments):
         for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.from_deepspeed_config is not None:
+            self._adopt_deepspeed_config()
 
     def _warmup_ratio_to_steps(self) -> None:
         ratio = self.warmup_ratio
@@ -145,22 +175,78 @@ class ZeroOneTrainingArguments(TrainingArguments):
             )
         self.warmup_steps = ratio
 
+    def _adopt_deepspeed_config(self) -> None:
+        """Take the optimizer and its settings from ``from_deepspeed_config`` into these arguments.
+
+        A value the config gives replaces an argument left at its default (so the LR scheduler and
+        the weight-decay groups see it too); one that contradicts an argument set on purpose is an
+        error naming both. "auto" values are these arguments' own.
+        """
+        auto = {k: getattr(self, v) for k, v in _AUTO.items()} | {"betas": (self.adam_beta1, self.adam_beta2)}
+        cls, kwargs = optimizer_kwargs(deepspeed_optimizer_section(self.from_deepspeed_config), auto=auto)
+        self.optim_compression = next(name for name, c in _CLASSES.items() if c is cls)
+        defaults = {f.name: f.default for f in fields(self)}
+        targets = dict(_AUTO, betas=("adam_beta1", "adam_beta2"), bias_correction="onebit_bias_correction")
+        for key, value in kwargs.items():
+            names = targets.get(key, key)
+            for name, v in zip((names,) if isinstance(names, str) else names, value if key == "betas" else (value,)):
+                current = getattr(self, name)
+                if current != v and current != defaults[name]:
+                    raise ValueError(
+                        f"--{name} {current!r} and the DeepSpeed config's {key} {value!r} "
+                        f'({self.from_deepspeed_config}) differ: give the value once (or "auto" in the config)'
+                    )
+                setattr(self, name, v)
+
+    def warmup_for_schedule(self, num_training_steps: int) -> int:
+        """The LR warm-up ``W`` the schedule follows: the scheduler's, or 10% of the run when it has none."""
+        return self.get_warmup_steps(num_training_steps) or max(1, num_training_steps // 10)
+
     def compression_schedule(self, num_training_steps: int) -> dict[str, int]:
-        """The optimizer keyword arguments for the schedule, with defaults derived from the warm-up."""
-        warmup = self.get_warmup_steps(num_training_steps) or max(1, num_training_steps // 10)
-        if self.optim_compression == "onebit_adam":
-            derived = recommended_freeze_step(num_training_steps, warmup)
-            return {"freeze_step": derived if self.freeze_step is None else self.freeze_step}
-        if self.optim_compression == "zeroone_adam":
-            derived = recommended_freeze_step(num_training_steps, 2 * warmup)
-            var_freeze = derived if self.var_freeze_step is None else self.var_freeze_step
-            local = recommended_local_steps(num_training_steps, var_freeze, self.local_step_clipper)
-            if self.local_step_scaler is not None:
-                local["local_step_scaler"] = self.local_step_scaler
-            return {
-                "var_freeze_step": var_freeze,
-                "exact_warmup_steps": warmup if self.exact_warmup_steps is None else self.exact_warmup_steps,
-                "var_update_scaler": self.var_update_scaler,
-                **local,
-            }
-        return {}
+        """The schedule settings the optimizer gets for a run of ``num_training_steps`` (given or derived)."""
+        if self.optim_compression == "adamw_torch":
+            return {}
+        probe = build_optimizer(self, [{"params": [torch.nn.Parameter(torch.zeros(1))]}], Communicator.local())
+        probe.set_run_length(num_training_steps, self.warmup_for_schedule(num_training_steps))
+        return {name: getattr(probe, name) for name in self.compression_kwargs()}
+
+    def compression_kwargs(self) -> dict[str, Any]:
+        """The optimizer's schedule arguments (steps left unset stay ``None``: the run length decides them)."""
+        names = {
+            "onebit_adam": ("freeze_step",),
+            "zeroone_adam": (
+                "var_freeze_step",
+                "var_update_scaler",
+                "local_step_scaler",
+                "local_step_clipper",
+                "exact_warmup_steps",
+            ),
+        }[self.optim_compression]
+        return {name: getattr(self, name) for name in names}
+
+
+def build_optimizer(
+    args: ZeroOneArgumentsMixin, groups: list[dict[str, Any]], communicator: Communicator | None = None
+) -> CompressedAdamBase:
+    """The optimizer ``args`` name, over ``groups`` (``from_deepspeed_config`` was taken into ``args``)."""
+    common = dict(
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        bias_correction=args.onebit_bias_correction,
+        check_replicas_every=args.check_replicas_every,
+        communicator=communicator,
+    )
+    return _CLASSES[args.optim_compression](groups, **common, **args.compression_kwargs())
+
+
+@dataclass
+class ZeroOneTrainingArguments(ZeroOneArgumentsMixin, TrainingArguments):
+    """:class:`transformers.TrainingArguments` plus the settings of :class:`ZeroOneArgumentsMixin`."""
+
+
+def arguments_with_zeroone(cls: type) -> type:
+    """``cls`` (a ``TrainingArguments`` subclass) with :class:`ZeroOneArgumentsMixin`, as a dataclass."""
+    if issubclass(cls, ZeroOneArgumentsMixin):
+        return cls
+    return dataclasses.dataclass(type(f"ZeroOne{cls.__name__}", (ZeroOneArgumentsMixin, cls), {}))

@@ -1,6 +1,7 @@
 """Communication-compressed Adam optimizers."""
 
 from hf_zeroone.optim._base import CompressedAdamBase, StepKind
+from hf_zeroone.optim._deepspeed import DeepSpeedConfigNote, from_deepspeed_config
 from hf_zeroone.optim._memory import bytes_per_parameter, documented_bytes_per_param, state_bytes
 from hf_zeroone.optim._schedule import (
     FREEZE_PERCENT,
@@ -15,10 +16,12 @@ __all__ = [
     "FREEZE_PERCENT",
     "LOCAL_PHASE_SYNCS",
     "CompressedAdamBase",
+    "DeepSpeedConfigNote",
     "OneBitAdam",
     "StepKind",
     "ZeroOneAdam",
     "bytes_per_parameter",
+    "from_deepspeed_config",
     "documented_bytes_per_param",
     "recommended_freeze_step",
     "recommended_local_steps",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convergence suite: AdamW, PowerSGD, 1-bit Adam and 0/1 Adam with default settings, four workloads.
 
-One command, offline, CPU (gloo), about 50 minutes on two cores::
+One command, offline, CPU (gloo), about 100 minutes on two cores::
 
     python recipes/convergence.py --output_dir outputs/convergence
 
@@ -16,44 +16,43 @@ Workloads (``--workloads``, comma-separated):
 * ``clm``: GPT-2-style causal LM pre-training, ``mlm``: BERT-style masked LM pre-training, on the
   embedded corpus and BPE tokenizer of ``pretrain.py`` (stdlib docstrings); metric: held-out
   loss (fixed sequences and masks). 2 ranks.
+* ``clm_lengths``: the run-length sweep, ``clm`` at each of ``--clm_lengths`` (200, 400, 800 steps)
+  on each of ``--length_seeds`` (0-3); rows ``clm_200``, ``clm_400``, ... Goal: every single run
+  within +2% of AdamW's run of the same seed.
 * ``lsq``: least squares, ``y = W x + noise`` (128 Gaussian inputs, 32 outputs, weights of std 1,
   noise std 0.1: floor 0.01) with one linear layer, 3 ranks, batch 16, lr 1e-2 decaying linearly
   to 0, betas (0.9, 0.99), 640 steps, freeze at step 200. The loss, and with it the gradient's
   scale, keeps falling long after the freeze: a frozen variance goes stale. Metric: held-out mean
   squared error.
 
-Optimizers (``--optimizers``) get only user-level settings: lr and its schedule, the run length,
-``freeze_step`` (1-bit Adam) / ``var_freeze_step`` (0/1 Adam) as the README recommends,
-``recommended_freeze_step(T, W)`` / ``recommended_freeze_step(T, 2 W)`` (20% of the run with a
-10% warm-up ``W``; ``lsq``: step 200), and the same weight decay (0 by default) and gradient clipping for all;
-every other knob is the package's default at run time. PowerSGD is torch's hook at rank 4 with
-AdamW. How bytes and rounds are counted: ``convergence_worker.py``.
+Optimizers (``--optimizers``) get only user-level settings: lr and its schedule, and the run
+length with ``optimizer.set_run_length(T, W)`` as the README shows (``lsq``: the freeze at step
+200), and the same weight decay (0 by default) and gradient clipping for all; every other knob is
+the package's default at run time. PowerSGD is torch's hook at rank 4 with AdamW. What each row
+runs: ``suite/workloads.py``; how bytes and rounds are counted: ``suite/counting.py``.
 
-Writes ``results.md`` (table + goals; finetune also seed by seed), ``results.json``,
-``<workload>.png`` (loss curves) and ``runs/<workload>/<optimizer>/run.log`` (finetune:
-``runs/finetune/seed<S>/<optimizer>/``; each run is a ``torchrun --standalone`` subprocess) into
-``--output_dir``. ``--quick`` shrinks everything (smoke test; one finetune seed).
+Every workload runs once per optimizer and seed (``--seeds``, default 0, for clm, mlm and lsq).
+Writes ``results.md`` (table, goals, seed-by-seed tables), ``results.json``, ``<workload>.png``
+(loss curves) and ``runs/<workload>/seed<S>/<optimizer>/run.log`` (each run is a ``torchrun
+--standalone`` subprocess of ``suite/worker.py``) into ``--output_dir``. A run whose directory
+already holds the result of the same spec is not run again (``--rerun`` forces it). ``--quick``
+shrinks everything (smoke test; one seed, one length).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-
-from hf_zeroone.optim import recommended_freeze_step, recommended_local_steps
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from convergence_report import OPTIMIZERS, markdown, mean_over_seeds, plot  # noqa: E402 - needs the path
+from suite.launch import code_version, run  # noqa: E402 - needs the path
+from suite.report import OPTIMIZERS, markdown, mean_over_seeds, plot  # noqa: E402
 
-WORKLOADS = ("finetune", "clm", "mlm", "lsq")
+WORKLOADS = ("finetune", "clm", "mlm", "lsq", "clm_lengths")
 
 
 @dataclass
@@ -68,7 +67,10 @@ class SuiteArguments:
     nproc: int = field(default=2, metadata={"help": "Ranks for finetune, clm and mlm."})
     lsq_nproc: int = field(default=3, metadata={"help": "Ranks for lsq."})
     timeout: int = field(default=1800, metadata={"help": "Seconds one run may take before it is killed."})
-    seed: int = field(default=0, metadata={"help": "clm, mlm, lsq: seed for data, initialisation and order."})
+    rerun: bool = field(default=False, metadata={"help": "Run again the runs whose results are on disk."})
+    seeds: str = field(
+        default="0", metadata={"help": "clm, mlm, lsq: comma-separated seeds (initialisation, data order, masks)."}
+    )
     finetune_seeds: str = field(
         default="0,1,2",
         metadata={
@@ -84,6 +86,8 @@ class SuiteArguments:
             "True) on clm, mlm and lsq; finetune runs through ZeroOneTrainer, which keeps the default."
         },
     )
+    clm_lengths: str = field(default="200,400,800", metadata={"help": "clm_lengths: comma-separated run lengths."})
+    length_seeds: str = field(default="0,1,2,3", metadata={"help": "clm_lengths: comma-separated seeds."})
     weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay, the same for every optimizer."})
     # language models
     clm_steps: int = field(default=1000, metadata={"help": "CLM optimizer steps."})
@@ -92,8 +96,8 @@ class SuiteArguments:
     lm_warmup_ratio: float = field(
         default=0.1,
         metadata={
-            "help": "LM warm-up W (T steps); freeze_step = recommended_freeze_step(T, W), var_freeze_step = "
-            "recommended_freeze_step(T, 2W), PowerSGD's start = W."
+            "help": "LM warm-up W (T steps), told to 1-bit and 0/1 Adam with set_run_length(T, W); PowerSGD "
+            "starts compressing at W."
         },
     )
     lm_batch_size: int = field(default=8, metadata={"help": "LM sequences per rank and step."})
@@ -133,13 +137,8 @@ class SuiteArguments:
             if bad or not items:
                 raise ValueError(f"--{name}: unknown {bad or 'empty list'}; choose from {', '.join(allowed)}")
             setattr(self, name, ",".join(items))
-        try:
-            seeds = [int(x) for x in self.finetune_seeds.split(",") if x.strip()]
-        except ValueError:
-            seeds = []
-        if not seeds or len(set(seeds)) != len(seeds):
-            raise ValueError(f"--finetune_seeds: want distinct integers such as 0,1,2, got {self.finetune_seeds!r}")
-        self.finetune_seeds = ",".join(map(str, seeds))
+        for name in ("finetune_seeds", "seeds", "length_seeds", "clm_lengths"):
+            setattr(self, name, ",".join(map(str, int_list(name, getattr(self, name)))))
         if self.quick:
             defaults = {f.name: f.default for f in fields(self)}
             for key, value in QUICK.items():
@@ -147,7 +146,19 @@ class SuiteArguments:
                     setattr(self, key, value)
 
 
-QUICK = dict(clm_steps=24, mlm_steps=24, lm_batch_size=4, lm_seq_len=32, lm_hidden_size=32, lm_eval_sequences=16,
+def int_list(name: str, text: str) -> list[int]:
+    """``"0,1,2"`` as distinct integers, or a ``ValueError`` naming the option."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or len(set(values)) != len(values) or min(values) < 0:
+        raise ValueError(f"--{name}: want distinct integers >= 0 such as 0,1,2, got {text!r}")
+    return values
+
+
+QUICK = dict(clm_steps=24, mlm_steps=24, clm_lengths="24", length_seeds="0", lm_batch_size=4, lm_seq_len=32,
+             lm_hidden_size=32, lm_eval_sequences=16,
              corpus_chars=150_000, vocab_size=512, finetune_epochs=1.0, finetune_per_class=12,
              finetune_max_length=32, finetune_seeds="0", lsq_steps=64, lsq_freeze_step=20, lsq_weight_std=0.1,
              timeout=300)  # fmt: skip
@@ -159,7 +170,7 @@ def prepare_lm_data(args: SuiteArguments, out: Path) -> Path:
     import torch
     from pretrain import PretrainArguments, build_tokenizer, embedded_corpus, make_blocks
 
-    key = {"chars": args.corpus_chars, "vocab": args.vocab_size, "seq_len": args.lm_seq_len, "seed": args.seed}
+    key = {"chars": args.corpus_chars, "vocab": args.vocab_size, "seq_len": args.lm_seq_len, "seed": 0}
     data = out / "data" / f"lm_{args.corpus_chars}_{args.vocab_size}_{args.lm_seq_len}"
     meta = data / "meta.json"
     if meta.exists() and json.loads(meta.read_text()).get("key") == key:
@@ -168,14 +179,14 @@ def prepare_lm_data(args: SuiteArguments, out: Path) -> Path:
     texts = embedded_corpus(args.corpus_chars)
     tokenizer = build_tokenizer(PretrainArguments(vocab_size=args.vocab_size), texts, data / "tokenizer")
     blocks = make_blocks(tokenizer, texts, args.lm_seq_len)
-    blocks = blocks[torch.randperm(len(blocks), generator=torch.Generator().manual_seed(args.seed))]
+    blocks = blocks[torch.randperm(len(blocks), generator=torch.Generator().manual_seed(0))]  # one split
     torch.save(blocks, data / "blocks.pt")
     meta.write_text(json.dumps({"key": key, "texts": len(texts), "blocks": list(blocks.shape)}))
     return data
 
 
 def prepare_finetune_data(args: SuiteArguments, out: Path, seed: int) -> Path:
-    from convergence_finetune import docstring_dataset
+    from suite.finetune import docstring_dataset
 
     data = out / "data" / f"finetune_seed{seed}"
     data.mkdir(parents=True, exist_ok=True)
@@ -185,109 +196,40 @@ def prepare_finetune_data(args: SuiteArguments, out: Path, seed: int) -> Path:
 
 
 def make_spec(
-    args: SuiteArguments, workload: str, optimizer: str, data: Path, run_dir: Path, seed: int | None = None
+    args: SuiteArguments, workload: str, optimizer: str, data: Path, run_dir: Path, seed: int, steps: int | None = None
 ) -> dict:
-    """One run's settings; ``seed`` (finetune: one of ``--finetune_seeds``) overrides ``--seed``."""
+    """One run's settings (``steps``: the CLM run length of the sweep, else the workload's own)."""
     spec = {"workload": workload, "optimizer": optimizer, "run_dir": str(run_dir), "data_dir": str(data)}
-    spec.update(
-        seed=args.seed if seed is None else seed,
-        weight_decay=args.weight_decay,
-        follow_gradient_scale=args.follow_gradient_scale,
-    )
+    spec.update(seed=seed, weight_decay=args.weight_decay, follow_gradient_scale=args.follow_gradient_scale)
     if workload == "finetune":
         spec.update(lr=args.finetune_lr, epochs=args.finetune_epochs, warmup_ratio=args.finetune_warmup_ratio)
         spec.update(max_length=args.finetune_max_length, log_every=2)
     elif workload == "lsq":
-        spec.update(steps=args.lsq_steps, warmup_steps=0, freeze_step=args.lsq_freeze_step, lr=args.lsq_lr)
+        spec.update(steps=args.lsq_steps, warmup_steps=0, lr=args.lsq_lr)
+        freeze = {"onebit_adam": "freeze_step", "zeroone_adam": "var_freeze_step"}.get(optimizer)
+        spec.update(settings={freeze: args.lsq_freeze_step} if freeze else {})
         spec.update(betas=[0.9, 0.99], batch_size=args.lsq_batch_size, max_grad_norm=0.0, eval_size=4096)
         spec.update(lsq_in=128, lsq_out=32, lsq_noise=args.lsq_noise, lsq_weight_std=args.lsq_weight_std)
     else:
-        steps = args.clm_steps if workload == "clm" else args.mlm_steps
+        steps = steps or (args.clm_steps if workload == "clm" else args.mlm_steps)
         warm = max(1, round(steps * args.lm_warmup_ratio))
-        # what the README tells a user of the bare optimizers (and ZeroOneTrainer derives); PowerSGD
-        # starts compressing at the end of the warm-up
-        freeze = warm
-        if optimizer == "onebit_adam":
-            freeze = recommended_freeze_step(steps, warm)
-        elif optimizer == "zeroone_adam":
-            freeze = recommended_freeze_step(steps, 2 * warm)
-            spec.update(recommended_local_steps(steps, freeze))
-        spec.update(steps=steps, warmup_steps=warm, freeze_step=freeze, lr=args.lm_lr, batch_size=args.lm_batch_size)
+        spec.update(steps=steps, warmup_steps=warm, lr=args.lm_lr, batch_size=args.lm_batch_size)
         spec.update(hidden_size=args.lm_hidden_size, num_layers=args.lm_num_layers, num_heads=args.lm_num_heads)
         spec.update(max_grad_norm=args.lm_max_grad_norm, eval_size=args.lm_eval_sequences)
     return spec
 
 
-# ------------------------------------------------------------------------------------ runs
-def launch(spec: dict, nproc: int, timeout: float, bar) -> dict:
-    """One torchrun subprocess; returns rank 0's result, or an error with the log's tail (all ranks)."""
-    run_dir = Path(spec["run_dir"])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("result.json", "progress.txt"):
-        (run_dir / stale).unlink(missing_ok=True)
-    (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += [str(HERE / "convergence_worker.py"), str(run_dir / "spec.json")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    env.update(TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
-    log_path = run_dir / "run.log"
-    start, last = time.perf_counter(), 0
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        while proc.poll() is None:
-            time.sleep(1.0)
-            text = (run_dir / "progress.txt").read_text().split() if (run_dir / "progress.txt").exists() else []
-            if len(text) == 3:
-                step, total = int(text[0]), int(text[1])
-                bar.total = total
-                bar.update(step - last)
-                bar.set_postfix(loss=text[2])
-                last = step
-            if time.perf_counter() - start > timeout:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                break
-    wall = time.perf_counter() - start
-    result_path = run_dir / "result.json"
-    if proc.returncode == 0 and result_path.exists():
-        return {**json.loads(result_path.read_text()), "wall_s": wall}
-    why = f"timed out after {timeout:.0f}s" if wall > timeout else f"exit code {proc.returncode}"
-    tail = log_path.read_text(errors="replace")[-6000:]
-    return {**{k: spec[k] for k in ("workload", "optimizer")}, "error": why, "log_tail": tail, "wall_s": wall}
-
-
-# ------------------------------------------------------------------------------------ main
-def code_version() -> str:
-    """The commit the suite ran on, and whether ``hf_zeroone/`` had uncommitted changes then."""
-    git = ["git", "-C", str(HERE.parent)]
-    try:
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run([*git, "status", "--porcelain", "--", "hf_zeroone"], capture_output=True, text=True)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (no git)"
-    if head.returncode != 0:
-        return "unknown (not a git checkout)"
-    changed = len(dirty.stdout.splitlines())
-    return head.stdout.strip() + (f" + uncommitted changes in {changed} hf_zeroone file(s)" if changed else "")
-
-
-def run(spec: dict, nproc: int, timeout: float, desc: str) -> dict:
-    """``launch`` with a progress bar; a failure's log tail goes to stderr."""
-    from tqdm.auto import tqdm
-
-    with tqdm(desc=f"{desc}/{spec['optimizer']}", unit="step", leave=True, mininterval=2.0) as bar:
-        result = launch(spec, nproc, timeout, bar)
-    if "error" in result:
-        print(
-            f"[convergence] {desc}/{spec['optimizer']} failed ({result['error']}):\n{result['log_tail']}",
-            file=sys.stderr,
-        )
-    return result
+def plan(args: SuiteArguments) -> list[tuple[str, str, int | None, list[int]]]:
+    """``(row name, workload, steps or None, seeds)`` for every row of the table, in order."""
+    rows = []
+    for workload in args.workloads.split(","):
+        if workload == "clm_lengths":
+            seeds = int_list("length_seeds", args.length_seeds)
+            rows += [(f"clm_{t}", "clm", t, seeds) for t in int_list("clm_lengths", args.clm_lengths)]
+        else:
+            seeds = args.finetune_seeds if workload == "finetune" else args.seeds
+            rows.append((workload, workload, None, int_list("seeds", seeds)))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -312,25 +254,22 @@ def main(argv: list[str] | None = None) -> dict:
         (out / "results.json").write_text(json.dumps({"command": command, "code": args.code, "results": results}))
         (out / "results.md").write_text(markdown(results, command, args))
 
-    for workload in args.workloads.split(","):
+    for row, workload, steps, seeds in plan(args):
         nproc = args.lsq_nproc if workload == "lsq" else args.nproc
-        if workload == "finetune":
-            per_seed: dict[str, dict[str, dict]] = {}  # optimizer -> seed -> result
-            for seed in map(int, args.finetune_seeds.split(",")):
+        per_seed: dict[str, dict[str, dict]] = {}  # optimizer -> seed -> result
+        for seed in seeds:
+            if workload == "finetune":
                 data = prepare_finetune_data(args, out, seed)
-                for name in args.optimizers.split(","):
-                    run_dir = out / "runs" / workload / f"seed{seed}" / name
-                    spec = make_spec(args, workload, name, data, run_dir, seed)
-                    per_seed.setdefault(name, {})[str(seed)] = run(spec, nproc, args.timeout, f"{workload}/seed{seed}")
-                results[workload] = {n: mean_over_seeds(runs) for n, runs in per_seed.items()}  # paired: whole seeds
-                save()
-        else:
-            data = prepare_lm_data(args, out) if workload in ("clm", "mlm") else out
+            else:
+                data = prepare_lm_data(args, out) if workload in ("clm", "mlm") else out
             for name in args.optimizers.split(","):
-                spec = make_spec(args, workload, name, data, out / "runs" / workload / name)
-                results.setdefault(workload, {})[name] = run(spec, nproc, args.timeout, workload)
-                save()
-        plot({workload: results[workload]}, out)
+                run_dir = out / "runs" / row / f"seed{seed}" / name
+                spec = make_spec(args, workload, name, data, run_dir, seed, steps)
+                result = run(spec, nproc, args.timeout, f"{row}/seed{seed}", resume=not args.rerun)
+                per_seed.setdefault(name, {})[str(seed)] = result
+            results[row] = {n: mean_over_seeds(runs) for n, runs in per_seed.items()}  # paired: whole seeds
+            save()
+        plot({row: results[row]}, out)
     print("\n" + (out / "results.md").read_text())
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {', '.join(f'{w}.png' for w in results)}")
     if any("error" in r for runs in results.values() for r in runs.values()):

@@ -62,14 +62,19 @@ def test_suite_arguments():
         suite.SuiteArguments(optimizers="sgd")
     quick = suite.SuiteArguments(quick=True, lsq_steps=80)
     assert quick.clm_steps == suite.QUICK["clm_steps"] and quick.lsq_steps == 80  # explicit values win
-    spec = suite.make_spec(suite.SuiteArguments(), "lsq", "zeroone_adam", Path("d"), Path("r"))
-    assert (spec["steps"], spec["freeze_step"], spec["lr"], spec["betas"]) == (640, 200, 1e-2, [0.9, 0.99])
+    spec = suite.make_spec(suite.SuiteArguments(), "lsq", "zeroone_adam", Path("d"), Path("r"), 0)
+    assert (spec["steps"], spec["settings"], spec["lr"], spec["betas"]) == (
+        640,
+        {"var_freeze_step": 200},
+        1e-2,
+        [0.9, 0.99],
+    )
     assert spec["batch_size"] == 16 and spec["warmup_steps"] == 0
 
 
 def test_goals_are_decided_from_the_numbers():
     _load_suite()
-    import convergence_report as suite  # recipes/ is on sys.path once the suite is loaded
+    from suite import report as suite  # recipes/ is on sys.path once the suite is loaded
 
     def run(metric, steps=1000, sent=100, rounds=100):
         return {"metric": metric, "steps": steps, "bytes": sent, "rounds": rounds}
@@ -94,7 +99,7 @@ def test_goals_are_decided_from_the_numbers():
 def test_finetune_goal_is_decided_on_the_mean_of_paired_seeds():
     """One seed's miss does not decide the goal; the mean of the seed-by-seed differences does."""
     suite = _load_suite()
-    import convergence_report as report
+    from suite import report
 
     def seeds(*accuracies):
         runs = {str(s): {"metric": a, "steps": 90, "bytes": 10, "rounds": 5} for s, a in enumerate(accuracies)}
@@ -133,7 +138,9 @@ def test_suite_runs_finetune_once_per_seed(tmp_path, monkeypatch):
                 "steps": 9, "curve": [[1, 2.0, 8, 4]], "train_loss_last10pct": 1.0, "first_loss": 2.0,
                 "train_wall_s": 1.0, "wall_s": 1.0, "parameters": 3, "world_size": 2}  # fmt: skip
 
-    monkeypatch.setattr(suite, "launch", fake_launch)
+    from suite import launch as launcher
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
     argv = ["--workloads", "finetune", "--optimizers", "adamw,onebit_adam", "--finetune_seeds", "3,5"]
     results = suite.main([*argv, "--output_dir", str(tmp_path)])["finetune"]
     assert [(s["seed"], s["optimizer"]) for s in specs] == [
@@ -154,7 +161,7 @@ def test_suite_runs_finetune_once_per_seed(tmp_path, monkeypatch):
 def test_finetune_seed_reaches_the_trainer(tmp_path):
     """--seed changes the head's initialisation and the data order, not only the split."""
     suite = _load_suite()
-    import convergence_finetune  # recipes/ is on sys.path once the suite is loaded
+    from suite import finetune as convergence_finetune  # recipes/ is on sys.path once the suite is loaded
 
     for seed in (0, 3):
         spec = suite.make_spec(suite.SuiteArguments(), "finetune", "zeroone_adam", tmp_path, tmp_path, seed)
@@ -166,7 +173,7 @@ def test_finetune_seed_reaches_the_trainer(tmp_path):
 def test_finetune_head_is_seeded():
     """Two runs of one spec, and every optimizer of one suite run, start from the same head."""
     _load_suite()
-    import convergence_finetune
+    from suite import finetune as convergence_finetune
 
     labels = list(convergence_finetune.PACKAGES)
     first, again = (convergence_finetune.pretrained_classifier(labels, seed=0) for _ in range(2))

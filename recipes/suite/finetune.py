@@ -1,4 +1,4 @@
-"""Fine-tuning workload of the convergence suite (``recipes/convergence.py``).
+"""Fine-tuning workload of the suite (``recipes/convergence.py``).
 
 Data: a real text classification task that ships with Python. Each example is a docstring (of a
 module, class or function) from the standard library's sources, read with ``ast`` (nothing is
@@ -31,7 +31,7 @@ def docstring_dataset(
     packages: tuple[str, ...] = PACKAGES, per_class: int = 0, eval_fraction: float = 0.4, seed: int = 0
 ) -> dict:
     """``{"labels": [...], "train": [[text, label], ...], "eval": [...]}`` from the stdlib's docstrings."""
-    from pretrain import file_docstrings  # recipes/ is on sys.path (see convergence.py)
+    from pretrain import file_docstrings  # recipes/ is on sys.path (see worker.py)
 
     root = Path(sysconfig.get_paths()["stdlib"])
     names = re.compile(r"\b(" + "|".join(re.escape(p) for p in packages) + r")\b", re.IGNORECASE)
@@ -107,10 +107,10 @@ def run_finetune(spec: dict) -> dict:
     """Train and evaluate under ``torchrun`` (the Trainer joins the process group)."""
     import numpy as np
     import torch.distributed as dist
-    from convergence_worker import HookCounter, Progress, attach_communication, comm_totals
     from transformers import AutoTokenizer, TrainerCallback
 
     from hf_zeroone import ZeroOneTrainer
+    from suite.counting import HookCounter, Progress, attach_communication, comm_totals
 
     data = json.loads(Path(spec["data_dir"], "docstrings.json").read_text())
     labels = data["labels"]

@@ -1,162 +1,81 @@
-"""One run of the convergence suite (``recipes/convergence.py``): one workload, one optimizer.
+"""The plain-loop workloads of the suite (``clm``, ``mlm``, ``lsq``) and the loop every row runs.
 
-Started by the suite under ``torchrun --standalone --nproc_per_node N`` with the path of a JSON
-spec the suite wrote (``python recipes/convergence_worker.py RUN_DIR/spec.json``); rank 0 writes
-``RUN_DIR/result.json``. Not meant to be run by hand, but it can be, with such a spec.
-
-Optimizers, each built the way a new user would build it (only the learning rate, its schedule,
-the run length, ``freeze_step`` / ``var_freeze_step`` and, for 0/1 Adam on the language models, its
-local-step schedule as the README recommends; everything else is the package's
-default at run time):
+A row is a *method*: an optimizer and the communication it runs with, built the way a new user
+would build it (the learning rate, its schedule and the run length; every other knob is the
+package's default at run time unless the spec's ``settings`` names it):
 
 * ``adamw``: ``torch.optim.AdamW`` on plain DDP. DDP's allreduce runs through torch's own
-  ``default_hooks.allreduce_hook`` (documented as equivalent to no hook) so that every bucket
-  allreduce can be counted.
+  ``default_hooks.allreduce_hook`` (documented as equivalent to no hook) so that it can be counted.
 * ``powersgd``: AdamW on DDP with torch's ``powerSGD_hook`` (``matrix_approximation_rank=4``,
-  ``start_powerSGD_iter`` = ``freeze_step``, at least 2; other settings torch's defaults), on a
-  process group of its own, one bucket at a time (:func:`one_bucket_at_a_time`).
+  ``start_powerSGD_iter`` = the LR warm-up, at least 2; other settings torch's defaults).
 * ``onebit_adam`` / ``zeroone_adam``: ``OneBitAdam`` / ``ZeroOneAdam`` with
-  ``register_zeroone_hook`` (the plain-loop path), or ``ZeroOneTrainer`` on ``finetune``.
+  ``register_zeroone_hook``, told the run length with ``set_run_length(steps, warmup_steps)`` as
+  the README shows, and brought in sync with ``synchronize()`` when the loop ends.
+* the peers (``diloco``, ``demo``, ``post_local_sgd``): see ``peers.py``.
 
-Bytes and rounds per rank: hf_zeroone counts its own (``opt.comm_stats``: ``bytes_sent``,
-``collectives``). For the two torch hooks, the module-level ``dist`` of torch's hook modules is
-replaced by a proxy that counts every ``all_reduce`` they issue (one round each; bytes by the
-fp32 ring formula of hf_zeroone, ``2 (P-1)/P x`` the tensor's bytes, the model ``CommStats``
-uses): for AdamW one allreduce per DDP bucket per step, for PowerSGD the allreduces of the
-uncompressed tensors, of the P matrices and of the Q matrices per bucket (one per bucket before
-``start_powerSGD_iter``).
+How bytes and rounds are counted: ``counting.py``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
+import contextlib
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-HERE = Path(__file__).resolve().parent
+from suite.counting import HookCounter, Progress, attach_communication, comm_totals
+
+OURS = ("onebit_adam", "zeroone_adam")
 
 
-class HookCounter:
-    """Counts the allreduces torch's DDP hooks issue: rounds and ring-allreduce bytes per rank."""
+@dataclass
+class Method:
+    """What one row trains with: the module to call, the optimizer to step, how to count and finish."""
 
-    def __init__(self, world: int) -> None:
-        self.world, self.bytes, self.rounds = world, 0, 0
-
-    def install(self) -> None:
-        import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
-        import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
-
-        from hf_zeroone.comm import fp32_allreduce_bytes
-
-        counter = self
-
-        class CountingDist:
-            def __getattr__(self, name):  # everything but all_reduce is torch.distributed itself
-                return getattr(dist, name)
-
-            def all_reduce(self, tensor, *args, **kwargs):
-                counter.rounds += 1
-                counter.bytes += fp32_allreduce_bytes(tensor.numel(), counter.world, tensor.element_size())
-                return dist.all_reduce(tensor, *args, **kwargs)
-
-        default_hooks.dist = CountingDist()
-        powersgd.dist = CountingDist()
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    totals: Callable[[], tuple[int, int]]  # (bytes, rounds) this rank has sent so far
+    context: Any = field(default_factory=contextlib.nullcontext)  # entered around the loop
+    finish: Callable[[], None] = lambda: None  # after the loop (and its context), before the evaluation
 
 
-def attach_communication(ddp, name: str, opt, start: int, counter: HookCounter) -> None:
-    """The DDP communication each optimizer runs with (see the module docstring)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    from hf_zeroone.ddp_hook import register_zeroone_hook
-
-    if name in ("adamw", "powersgd"):
-        counter.install()
-    if name == "adamw":
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    elif name == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=dist.new_group(), matrix_approximation_rank=4, start_powerSGD_iter=max(2, start)
-        )
-        ddp.register_comm_hook(state, one_bucket_at_a_time(powerSGD_hook.powerSGD_hook))
-    else:
-        register_zeroone_hook(ddp, opt)
-
-
-def one_bucket_at_a_time(hook):
-    """``hook`` on a bucket starts only once its previous bucket's future has completed.
-
-    torch's PowerSGD hook issues the P and Q allreduces from future callbacks. With several DDP
-    buckets on gloo, those can reach the process group in a different order on different ranks
-    (seen here: "Received data size doesn't match expected size" at the first compressed step).
-    Waiting for the previous bucket fixes the order; what is computed and sent is unchanged. The
-    hook also gets a process group of its own: under the Trainer (``find_unused_parameters=True``)
-    the run still failed the same way at the first compressed step, most likely because DDP's own
-    allreduce of the used-parameter map interleaved with the P and Q allreduces.
-    """
-    previous: list = []
-
-    def serial(state, bucket):
-        if previous:
-            previous.pop().wait()
-        fut = hook(state, bucket)
-        previous.append(fut)
-        return fut
-
-    return serial
-
-
-def make_optimizer(name: str, params, spec: dict):
-    """Only the user-level settings; the rest is whatever the optimizer's defaults are today."""
+def make_optimizer(name: str, params, spec: dict) -> torch.optim.Optimizer:  # noqa: ANN001
+    """Only the user-level settings, plus the spec's ``settings`` (a frontier point's knobs)."""
     from hf_zeroone import OneBitAdam, ZeroOneAdam
 
     common = {"lr": spec["lr"], "weight_decay": spec["weight_decay"]}
     if spec.get("betas"):
         common["betas"] = tuple(spec["betas"])
-    if spec.get("follow_gradient_scale") is False and name in ("onebit_adam", "zeroone_adam"):
+    if spec.get("follow_gradient_scale") is False and name in OURS:
         common["follow_gradient_scale"] = False  # off, asked for on the command line
-    if name == "onebit_adam":
-        return OneBitAdam(params, freeze_step=spec["freeze_step"], **common)
-    if name == "zeroone_adam":
-        local = {k: spec[k] for k in ("local_step_scaler", "local_step_clipper") if k in spec}
-        return ZeroOneAdam(params, var_freeze_step=spec["freeze_step"], **local, **common)
+    settings = dict(spec.get("settings") or {})
+    if name in OURS:
+        opt = (OneBitAdam if name == "onebit_adam" else ZeroOneAdam)(params, **common, **settings)
+        opt.set_run_length(spec["steps"], spec["warmup_steps"])  # what the README tells a user
+        return opt
     return torch.optim.AdamW(params, **common)
 
 
-def comm_totals(name: str, opt, counter: HookCounter) -> tuple[int, int]:
-    if name in ("onebit_adam", "zeroone_adam"):
-        from hf_zeroone.integrations.stats import unwrap_optimizer
+def build_method(spec: dict, model: torch.nn.Module, world: int) -> Method:
+    """AdamW, PowerSGD, 1-bit Adam or 0/1 Adam on DDP (the peers: ``peers.build_peer``)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-        stats = unwrap_optimizer(opt).comm_stats
-        return stats.bytes_sent, stats.collectives
-    return counter.bytes, counter.rounds
+    name = spec["optimizer"]
+    if name not in ("adamw", "powersgd", *OURS):
+        from suite.peers import build_peer
 
-
-class Progress:
-    """A tqdm bar on rank 0 plus a one-line progress file the suite polls."""
-
-    def __init__(self, spec: dict, total: int, rank: int) -> None:
-        self.path, self.total, self.bar = Path(spec["run_dir"]) / "progress.txt", total, None
-        if rank == 0:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=f"{spec['workload']}/{spec['optimizer']}", mininterval=2.0)
-
-    def update(self, step: int, loss: float) -> None:
-        if self.bar is None:
-            return
-        self.bar.update(1)
-        if step % 10 == 0 or step == self.total:
-            self.bar.set_postfix(loss=f"{loss:.4f}")
-            self.path.write_text(f"{step} {self.total} {loss:.6g}\n")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        return build_peer(spec, model, world)
+    ddp = DDP(model)
+    opt = make_optimizer(name, ddp.parameters(), spec)
+    counter = HookCounter(world)
+    attach_communication(ddp, name, opt, spec["warmup_steps"], counter)
+    finish = opt.synchronize if name in OURS else (lambda: None)
+    return Method(ddp, opt, lambda: comm_totals(name, opt, counter), finish=finish)
 
 
 # ------------------------------------------------------------------------------ plain loops
@@ -187,7 +106,6 @@ def setup_lsq(spec: dict, rank: int):
 
 def setup_lm(spec: dict, rank: int, world: int):
     """GPT-2 CLM or BERT MLM from ``pretrain.py``'s model builder, on the suite's token blocks."""
-    sys.path.insert(0, str(HERE))
     from pretrain import PretrainArguments, build_model
     from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
 
@@ -244,66 +162,52 @@ def linear_schedule(step: int, warmup: int, total: int) -> float:
 
 
 def run_loop(spec: dict, rank: int, world: int) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    name, steps, warmup = spec["optimizer"], spec["steps"], spec["warmup_steps"]
+    steps, warmup = spec["steps"], spec["warmup_steps"]
     if spec["workload"] == "lsq":
         model, train_loss, eval_loss = setup_lsq(spec, rank)
     else:
         model, train_loss, eval_loss = setup_lm(spec, rank, world)
-    ddp = DDP(model)
-    opt = make_optimizer(name, ddp.parameters(), spec)
-    counter = HookCounter(world)
-    attach_communication(ddp, name, opt, spec["freeze_step"], counter)
+    method = build_method(spec, model, world)
+    opt = method.optimizer
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: linear_schedule(s, warmup, steps))
     curve, progress, start = [], Progress(spec, steps, rank), time.perf_counter()
-    for step in range(1, steps + 1):
-        loss = train_loss(ddp)
-        loss.backward()
-        if spec["max_grad_norm"] > 0:
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), spec["max_grad_norm"])
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        sent, rounds = comm_totals(name, opt, counter)
-        curve.append([step, loss.item(), sent, rounds])
-        progress.update(step, curve[-1][1])
+    with method.context:
+        for step in range(1, steps + 1):
+            loss = train_loss(method.module)
+            loss.backward()
+            if spec["max_grad_norm"] > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            sent, rounds = method.totals()
+            curve.append([step, loss.item(), sent, rounds])
+            progress.update(step, curve[-1][1])
+    method.finish()
     wall = time.perf_counter() - start
     progress.close()
+    sent, rounds = method.totals()  # the final sync included
+    curve[-1][2:] = [sent, rounds]
     tail = curve[-max(1, steps // 10) :]
     return {
         "metric_name": "held-out loss",
         "metric": eval_loss(model),  # rank 0's replica
+        "replicas_equal": replicas_equal(model),
         "train_loss_last10pct": sum(c[1] for c in tail) / len(tail),
         "first_loss": curve[0][1],
         "curve": curve,
-        "bytes": curve[-1][2],
-        "rounds": curve[-1][3],
+        "bytes": sent,
+        "rounds": rounds,
         "steps": steps,
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_wall_s": wall,
     }
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    torch.set_num_threads(1)
-    if spec["workload"] == "finetune":
-        from convergence_finetune import run_finetune
-
-        result = run_finetune(spec)  # the Trainer sets up the process group itself
-        rank = dist.get_rank() if dist.is_initialized() else 0
-    else:
-        dist.init_process_group("gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        result = run_loop(spec, rank, world)
-    if rank == 0:
-        result.update(workload=spec["workload"], optimizer=spec["optimizer"], world_size=int(os.environ["WORLD_SIZE"]))
-        Path(spec["run_dir"], "result.json").write_text(json.dumps(result))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+def replicas_equal(model: torch.nn.Module) -> bool:
+    """Whether every rank holds bit-identical parameters (checked after the loop, not counted)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    low, high = flat.clone(), flat.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(low, high))

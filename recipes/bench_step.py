@@ -1,0 +1,115 @@
+#!/usr/bin/env python
+"""The optimizer step alone, against ``torch.optim.AdamW(foreach=True)``, in every phase of both optimizers.
+
+One process, so nothing is communicated: what is timed is the optimizer's own arithmetic (the
+message maths, clipping to the variance, implied gradients, the update) on a model with many
+tensors, where per-tensor Python loops and kernel launches show. Each phase is timed on its own
+optimizer, set up so that every timed step is of that kind::
+
+    python recipes/bench_step.py                       # CPU, a 24-layer BERT of width 64 (400+ tensors)
+    python recipes/bench_step.py --device cuda --fused # on a GPU, also against AdamW(fused=True)
+
+Prints a markdown table (median milliseconds per step, and the ratio to AdamW). Machines are
+shared and noisy: the ratios inside one run are the figure, not the milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from hf_zeroone import OneBitAdam, ZeroOneAdam
+
+#: phase -> (optimizer class, constructor keywords, steps taken before timing starts); each phase's
+#: timed steps are all of that kind
+PHASES = {
+    "1-bit Adam: warm-up (exact)": (OneBitAdam, {"freeze_step": 10**9}, 2),
+    "1-bit Adam: 1-bit momentum": (OneBitAdam, {"freeze_step": 2}, 4),
+    "0/1 Adam: 1-bit gradient": (
+        ZeroOneAdam,
+        {"var_freeze_step": 10**9, "var_update_scaler": 1, "exact_warmup_steps": 0},
+        40,  # variance updates at steps 1, 3, 7, ..., 63: none among the timed ones
+    ),
+    "0/1 Adam: local step": (
+        ZeroOneAdam,
+        {"var_freeze_step": 2, "local_step_scaler": 1, "local_step_clipper": 1 << 20, "exact_warmup_steps": 0},
+        70,  # syncs 1, 2, 4, ..., 64 steps apart: none among the timed ones
+    ),
+    "0/1 Adam: sync": (ZeroOneAdam, {"var_freeze_step": 2, "local_step_clipper": 1, "exact_warmup_steps": 0}, 4),
+}
+
+
+def build_model(layers: int, width: int) -> torch.nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=1024, hidden_size=width, num_hidden_layers=layers, num_attention_heads=2,
+        intermediate_size=4 * width, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return BertForMaskedLM(config)
+
+
+def time_steps(opt: torch.optim.Optimizer, params: list[torch.Tensor], before: int, timed: int) -> list[float]:
+    """Seconds of ``timed`` steps after ``before`` untimed ones; fresh random gradients each step.
+
+    Raises if the timed steps of a hf_zeroone optimizer are not all of one kind.
+    """
+    gen = torch.Generator(device=params[0].device).manual_seed(1)
+    grads = [torch.randn(p.shape, generator=gen, device=p.device) * 1e-3 for p in params]
+    out, kinds = [], set()
+    for i in range(before + timed):
+        for p, g in zip(params, grads):
+            p.grad = g.mul(1.0 + 0.01 * (i % 7))
+        if params[0].is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.step()
+        if params[0].is_cuda:
+            torch.cuda.synchronize()
+        if i >= before:
+            out.append(time.perf_counter() - start)
+            kinds.add(getattr(opt, "last_step_kind", None))
+    if len(kinds) != 1:
+        raise RuntimeError(f"{type(opt).__name__}: the timed steps mix kinds {kinds}; adjust PHASES")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per phase")
+    parser.add_argument("--rounds", type=int, default=3, help="AdamW and each phase, alternating, this many times")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fused", action="store_true", help="also time AdamW(fused=True) (CUDA)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = build_model(args.layers, args.width).to(args.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    print(f"{len(params)} tensors, {numel:,} parameters, device {args.device}, {args.threads} thread(s)\n")
+    baselines = {"AdamW(foreach=True)": lambda: torch.optim.AdamW(params, lr=1e-3, foreach=True)}
+    if args.fused:
+        baselines["AdamW(fused=True)"] = lambda: torch.optim.AdamW(params, lr=1e-3, fused=True)
+    timings: dict[str, list[float]] = {}
+    for _ in range(args.rounds):  # interleaved, so a noisy stretch of the machine hits every row
+        for name, make in baselines.items():
+            timings.setdefault(name, []).extend(time_steps(make(), params, 2, args.steps))
+        for name, (cls, kw, before) in PHASES.items():
+            opt = cls(params, lr=1e-3, **kw)
+            timings.setdefault(name, []).extend(time_steps(opt, params, before, args.steps))
+    reference = statistics.median(timings["AdamW(foreach=True)"])
+    print("| step | median ms | vs AdamW(foreach=True) |")
+    print("|---|---:|---:|")
+    for name, values in timings.items():
+        median = statistics.median(values)
+        print(f"| {name} | {1e3 * median:.2f} | {median / reference:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

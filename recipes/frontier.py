@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""The frontier: final held-out loss against whole-run bytes, hf_zeroone beside the local-step family.
+
+One command, offline, CPU (gloo), 2 ranks::
+
+    pip install -e ".[recipes,peers]"
+    python recipes/frontier.py --output_dir outputs/frontier
+
+Each method runs at several settings that span its bytes, on the suite's CLM and MLM pre-training
+workloads (``convergence.py``'s data and models, smaller and longer: ``--steps``, 4,000 by
+default), every run with the same data, initialisation, linear LR schedule (10% warm-up) and
+gradient clipping:
+
+* AdamW on DDP at ``--lr`` times 0.5, 1, 2 and 4, and PowerSGD (rank 4) at 1x;
+* torchft DiLoCo (inner AdamW, outer Nesterov SGD) at ``H`` = 8, 32, 128, 500 (outer lr 0.7), and
+  at ``H`` = 32 with the inner lr at 2x and 4x and the outer lr at 0.5 and 1.0;
+* DeMo (pytorch-optimizer) at top-k 8 and 32 of chunks of 64;
+* torch's post-local SGD (AdamW, parameters averaged every 4, 16 or 64 steps after the warm-up);
+* 1-bit Adam with its default freeze (``set_run_length``) and a freeze at 10% and 5% of the run;
+* 0/1 Adam with its defaults, with the variance frozen at 10% of the run, and with a largest sync
+  gap of 64.
+
+Every other knob is each package's default. Bytes and rounds are counted as in the convergence
+suite (``suite/counting.py``; DiLoCo's fp32 pseudo-gradient allreduces, DeMo's own
+``data_transmit`` checked against its all-gathers). Writes ``frontier.md`` (one table per workload:
+loss, bytes per rank, rounds, and the loss against the best AdamW's), ``frontier.json`` and
+``frontier_<workload>.png`` (loss against bytes, log x) into ``--output_dir``. Runs whose
+directory holds the result of the same spec are not run again. ``--quick``: a smoke test.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from convergence import SuiteArguments, make_spec, prepare_lm_data  # noqa: E402 - needs the path
+from suite.launch import code_version, run  # noqa: E402
+
+LABELS = {
+    "adamw": "AdamW",
+    "powersgd": "PowerSGD r4 + AdamW",
+    "diloco": "DiLoCo (torchft)",
+    "demo": "DeMo",
+    "post_local_sgd": "post-local SGD",
+    "onebit_adam": "1-bit Adam",
+    "zeroone_adam": "0/1 Adam",
+}
+
+
+@dataclass
+class FrontierArguments:
+    output_dir: str = field(default="outputs/frontier", metadata={"help": "Tables, plots, run logs, data."})
+    workloads: str = field(default="clm,mlm", metadata={"help": "Comma-separated: clm, mlm."})
+    steps: int = field(default=4000, metadata={"help": "Optimizer steps of every run."})
+    lr: float = field(default=1e-3, metadata={"help": "The suite's peak learning rate (1x)."})
+    hidden_size: int = field(default=64, metadata={"help": "Model width."})
+    num_layers: int = field(default=2, metadata={"help": "Transformer layers."})
+    batch_size: int = field(default=8, metadata={"help": "Sequences per rank and step."})
+    seq_len: int = field(default=32, metadata={"help": "Tokens per sequence."})
+    seed: int = field(default=0, metadata={"help": "Initialisation, data order and masks."})
+    quick: bool = field(default=False, metadata={"help": "Tiny sizes and a short grid (smoke test)."})
+    timeout: int = field(default=1800, metadata={"help": "Seconds one run may take before it is killed."})
+
+
+def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
+    """``(point name, method, lr multiplier, settings)`` for every point of the plot."""
+    t = args.steps
+    points = [(f"adamw lr x{m:g}", "adamw", m, {}) for m in (0.5, 1, 2, 4)]
+    points.append(("powersgd", "powersgd", 1, {}))
+    points += [(f"diloco H={h}", "diloco", 1, {"sync_every": h}) for h in (8, 32, 128, 500)]
+    points += [(f"diloco H=32 inner lr x{m:g}", "diloco", m, {"sync_every": 32}) for m in (2, 4)]
+    points += [(f"diloco H=32 outer lr {o:g}", "diloco", 1, {"sync_every": 32, "outer_lr": o}) for o in (0.5, 1.0)]
+    points += [(f"demo top-k {k}", "demo", 1, {"compression_top_k": k}) for k in (8, 32)]
+    points += [(f"post-local SGD period {p}", "post_local_sgd", 1, {"period": p}) for p in (4, 16, 64)]
+    points.append(("1-bit Adam default", "onebit_adam", 1, {}))
+    points += [(f"1-bit Adam freeze {f}%", "onebit_adam", 1, {"freeze_step": max(1, t * f // 100)}) for f in (10, 5)]
+    points.append(("0/1 Adam default", "zeroone_adam", 1, {}))
+    points.append(("0/1 Adam freeze 10%", "zeroone_adam", 1, {"var_freeze_step": max(2, t // 10)}))
+    points.append(("0/1 Adam gap 64", "zeroone_adam", 1, {"local_step_clipper": 64}))
+    if args.quick:
+        keep = ("adamw lr x1", "adamw lr x2", "diloco H=8", "demo top-k 8", "post-local SGD period 4")
+        points = [p for p in points if p[0] in keep or p[0].endswith("default")]
+    return points
+
+
+def suite_arguments(args: FrontierArguments) -> SuiteArguments:
+    sizes = dict(lm_hidden_size=args.hidden_size, lm_num_layers=args.num_layers, lm_batch_size=args.batch_size)
+    sizes.update(lm_seq_len=args.seq_len, clm_steps=args.steps, mlm_steps=args.steps, lm_lr=args.lr)
+    if args.quick:
+        sizes.update(lm_hidden_size=32, lm_seq_len=16, lm_batch_size=4, clm_steps=40, mlm_steps=40)
+        sizes.update(corpus_chars=150_000, vocab_size=512, lm_eval_sequences=16)
+    else:
+        sizes.update(corpus_chars=1_500_000, vocab_size=2048, lm_eval_sequences=256)
+    return SuiteArguments(output_dir=args.output_dir, timeout=args.timeout, **sizes)
+
+
+def table(workload: str, rows: list[dict]) -> list[str]:
+    adamws = [r for r in rows if r["method"] == "adamw" and "error" not in r]
+    best = min(adamws, key=lambda r: r["metric"]) if adamws else None
+    lines = [
+        f"### {workload}",
+        "",
+        "| point | held-out loss | vs best AdamW | MB sent / rank | bytes vs best AdamW | rounds | wall s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted((r for r in rows if "error" not in r), key=lambda r: r["bytes"]):
+        vs = f"{100 * (r['metric'] / best['metric'] - 1):+.2f}%" if best else "n/a"
+        ratio = f"1/{best['bytes'] / r['bytes']:.1f}" if best and r["bytes"] else "n/a"
+        lines.append(
+            f"| {r['point']} | {r['metric']:.4f} | {vs} | {r['bytes'] / 1e6:.2f} | {ratio} | {r['rounds']} "
+            f"| {r.get('wall_s', 0):.0f} |"
+        )
+    lines += [f"| {r['point']} | failed: {r['error']} | | | | | |" for r in rows if "error" in r]
+    if best:
+        lines += ["", f"Best AdamW: {best['point']} ({best['metric']:.4f}, {best['bytes'] / 1e6:.2f} MB per rank)."]
+    return lines + [""]
+
+
+def plot(workload: str, rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for method, label in LABELS.items():
+        pts = sorted((r["bytes"], r["metric"]) for r in rows if r["method"] == method and "error" not in r)
+        if pts:
+            ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], "o", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("MB sent per rank over the whole run (log)")
+    ax.set_ylabel("final held-out loss")
+    ax.set_title(f"{workload}: loss against bytes")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / f"frontier_{workload}.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from transformers import HfArgumentParser
+
+    argv = sys.argv[1:] if argv is None else argv
+    (args,) = HfArgumentParser(FrontierArguments).parse_args_into_dataclasses(argv)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    suite = suite_arguments(args)
+    data = prepare_lm_data(suite, out)
+    results: dict[str, list[dict]] = {}
+    command = " ".join(["python recipes/frontier.py", *argv])
+    lines = [f"`{command}` (code {code_version()}; {suite.nproc} ranks, seed {args.seed})", ""]
+    for workload in args.workloads.split(","):
+        rows = []
+        for point, method, lr_mult, settings in grid(args):
+            run_dir = out / "runs" / workload / point.replace(" ", "_").replace("%", "pc")
+            spec = make_spec(suite, workload, method, data, run_dir, args.seed)
+            spec.update(lr=suite.lm_lr * lr_mult, settings=settings)
+            result = run(spec, suite.nproc, suite.timeout, f"{workload}/{point}", resume=True)
+            rows.append({**result, "point": point, "method": method})
+            results[workload] = rows
+            (out / "frontier.json").write_text(json.dumps({"command": command, "results": results}))
+        plot(workload, rows, out)
+        lines += table(workload, rows)
+    (out / "frontier.md").write_text("\n".join(lines))
+    print("\n" + "\n".join(lines))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Running one spec: a ``torchrun --standalone`` subprocess of ``worker.py``, with a progress bar.
+
+Each run gets its own directory (``spec.json``, ``run.log``, ``result.json``); a run that fails or
+outlives its timeout is killed with its whole process group and reported with its log's tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def launch(spec: dict, nproc: int, timeout: float, bar) -> dict:
+    """One torchrun subprocess; returns rank 0's result, or an error with the log's tail (all ranks)."""
+    run_dir = Path(spec["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("result.json", "progress.txt"):
+        (run_dir / stale).unlink(missing_ok=True)
+    (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd += [str(HERE / "worker.py"), str(run_dir / "spec.json")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env.update(TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+    log_path = run_dir / "run.log"
+    start, last = time.perf_counter(), 0
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        while proc.poll() is None:
+            time.sleep(1.0)
+            text = (run_dir / "progress.txt").read_text().split() if (run_dir / "progress.txt").exists() else []
+            if len(text) == 3:
+                step, total = int(text[0]), int(text[1])
+                bar.total = total
+                bar.update(step - last)
+                bar.set_postfix(loss=text[2])
+                last = step
+            if time.perf_counter() - start > timeout:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                break
+    wall = time.perf_counter() - start
+    result_path = run_dir / "result.json"
+    if proc.returncode == 0 and result_path.exists():
+        result = {**json.loads(result_path.read_text()), "wall_s": wall}
+        result_path.write_text(json.dumps(result))
+        return result
+    why = f"timed out after {timeout:.0f}s" if wall > timeout else f"exit code {proc.returncode}"
+    tail = log_path.read_text(errors="replace")[-6000:]
+    return {**{k: spec[k] for k in ("workload", "optimizer")}, "error": why, "log_tail": tail, "wall_s": wall}
+
+
+def code_version() -> str:
+    """The commit the suite ran on, and whether ``hf_zeroone/`` had uncommitted changes then."""
+    git = ["git", "-C", str(HERE.parents[1])]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--", "hf_zeroone"], capture_output=True, text=True)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    if head.returncode != 0:
+        return "unknown (not a git checkout)"
+    changed = len(dirty.stdout.splitlines())
+    return head.stdout.strip() + (f" + uncommitted changes in {changed} hf_zeroone file(s)" if changed else "")
+
+
+def run(spec: dict, nproc: int, timeout: float, desc: str, resume: bool = False) -> dict:
+    """``launch`` with a progress bar; a failure's log tail goes to stderr.
+
+    ``resume``: a run directory that already holds this very spec and its result is not run again.
+    """
+    from tqdm.auto import tqdm
+
+    run_dir = Path(spec["run_dir"])
+    if resume and (run_dir / "result.json").exists() and (run_dir / "spec.json").exists():
+        if json.loads((run_dir / "spec.json").read_text()) == spec:
+            return json.loads((run_dir / "result.json").read_text())
+
+    with tqdm(desc=f"{desc}/{spec['optimizer']}", unit="step", leave=True, mininterval=2.0) as bar:
+        result = launch(spec, nproc, timeout, bar)
+    if "error" in result:
+        print(
+            f"[suite] {desc}/{spec['optimizer']} failed ({result['error']}):\n{result['log_tail']}",
+            file=sys.stderr,
+        )
+    return result

@@ -18,7 +18,8 @@ gradient clipping:
 * torch's post-local SGD (AdamW, parameters averaged every 4, 16 or 64 steps after the warm-up);
 * 1-bit Adam with its default freeze (``set_run_length``) and a freeze at 10% and 5% of the run;
 * 0/1 Adam with its defaults, with the variance frozen at 10% of the run, and with a largest sync
-  gap of 64.
+  gap of 64;
+* both at 4x the learning rate, their only knob shared with AdamW.
 
 Every other knob is each package's default. Bytes and rounds are counted as in the convergence
 suite (``suite/counting.py``; DiLoCo's fp32 pseudo-gradient allreduces, DeMo's own
@@ -82,6 +83,7 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     points.append(("0/1 Adam default", "zeroone_adam", 1, {}))
     points.append(("0/1 Adam freeze 10%", "zeroone_adam", 1, {"var_freeze_step": max(2, t // 10)}))
     points.append(("0/1 Adam gap 64", "zeroone_adam", 1, {"local_step_clipper": 64}))
+    points += [("1-bit Adam lr x4", "onebit_adam", 4, {}), ("0/1 Adam lr x4", "zeroone_adam", 4, {})]
     if args.quick:
         keep = ("adamw lr x1", "adamw lr x2", "diloco H=8", "demo top-k 8", "post-local SGD period 4")
         points = [p for p in points if p[0] in keep or p[0].endswith("default")]

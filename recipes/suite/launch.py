@@ -17,8 +17,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def launch(spec: dict, nproc: int, timeout: float, bar) -> dict:
-    """One torchrun subprocess; returns rank 0's result, or an error with the log's tail (all ranks)."""
+def launch(spec: dict, nproc: int, timeout: float, bar, prefix: list[str] | None = None) -> dict:
+    """One torchrun subprocess; returns rank 0's result, or an error with the log's tail (all ranks).
+
+    ``prefix``: put before the command (``ip netns exec NAME`` to run every rank in a network namespace).
+    """
     run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("result.json", "progress.txt"):
@@ -26,6 +29,7 @@ def launch(spec: dict, nproc: int, timeout: float, bar) -> dict:
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd += [str(HERE / "worker.py"), str(run_dir / "spec.json")]
+    cmd = [*(prefix or []), *cmd]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env.update(TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))

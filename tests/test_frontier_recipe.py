@@ -1,0 +1,37 @@
+"""recipes/frontier.py --quick: every method of the plot runs through its own package on 2 CPU ranks."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@pytest.mark.slow
+def test_quick_frontier_runs_every_family_and_counts_their_bytes(tmp_path):
+    for module in ("torchft", "pytorch_optimizer", "einops", "matplotlib"):
+        pytest.importorskip(module)  # the [peers] extra
+    cmd = [sys.executable, str(RECIPES / "frontier.py"), "--quick", "--workloads", "clm", "--output_dir", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = {r["point"]: r for r in json.loads((tmp_path / "frontier.json").read_text())["results"]["clm"]}
+    assert not [p for p, r in rows.items() if "error" in r], rows
+    assert {r["method"] for r in rows.values()} == {
+        "adamw", "diloco", "demo", "post_local_sgd", "onebit_adam", "zeroone_adam"
+    }  # fmt: skip
+    adamw, diloco = rows["adamw lr x1"], rows["diloco H=8"]
+    assert rows["adamw lr x2"]["bytes"] == adamw["bytes"] and adamw["rounds"] == adamw["steps"] == 40
+    # DiLoCo averages the fp32 pseudo-gradient of every parameter once every H=8 steps: exactly 1/8 of the bytes
+    assert diloco["bytes"] * 8 == adamw["bytes"]
+    for point in ("demo top-k 8", "1-bit Adam default", "0/1 Adam default", "post-local SGD period 4"):
+        assert 0 < rows[point]["bytes"] < adamw["bytes"], point
+    for r in rows.values():
+        assert r["replicas_equal"], r["point"]  # every method ends with one model (0/1 Adam: synchronize())
+    table = (tmp_path / "frontier.md").read_text()
+    assert "| adamw lr x2 |" in table and "Best AdamW:" in table
+    assert (tmp_path / "frontier_clm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -13,7 +13,7 @@ gradient clipping:
 
 * AdamW on DDP at ``--lr`` times 0.5, 1, 2 and 4, and PowerSGD (rank 4) at 1x;
 * torchft DiLoCo (inner AdamW, outer Nesterov SGD) at ``H`` = 8, 32, 128, 500 (outer lr 0.7), and
-  at ``H`` = 32 with the inner lr at 2x and 4x and the outer lr at 0.5 and 1.0;
+  at ``H`` = 32 with the inner lr at 0.5x, 2x and 4x and the outer lr at 0.5 and 1.0;
 * DeMo (pytorch-optimizer) at top-k 8 and 32 of chunks of 64;
 * torch's post-local SGD (AdamW, parameters averaged every 4, 16 or 64 steps after the warm-up);
 * 1-bit Adam with its default freeze (``set_run_length``) and a freeze at 10% and 5% of the run;
@@ -74,7 +74,7 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     points = [(f"adamw lr x{m:g}", "adamw", m, {}) for m in (0.5, 1, 2, 4)]
     points.append(("powersgd", "powersgd", 1, {}))
     points += [(f"diloco H={h}", "diloco", 1, {"sync_every": h}) for h in (8, 32, 128, 500)]
-    points += [(f"diloco H=32 inner lr x{m:g}", "diloco", m, {"sync_every": 32}) for m in (2, 4)]
+    points += [(f"diloco H=32 inner lr x{m:g}", "diloco", m, {"sync_every": 32}) for m in (0.5, 2, 4)]
     points += [(f"diloco H=32 outer lr {o:g}", "diloco", 1, {"sync_every": 32, "outer_lr": o}) for o in (0.5, 1.0)]
     points += [(f"demo top-k {k}", "demo", 1, {"compression_top_k": k}) for k in (8, 32)]
     points += [(f"post-local SGD period {p}", "post_local_sgd", 1, {"period": p}) for p in (4, 16, 64)]

@@ -65,6 +65,9 @@ class FrontierArguments:
     seq_len: int = field(default=32, metadata={"help": "Tokens per sequence."})
     seed: int = field(default=0, metadata={"help": "Initialisation, data order and masks."})
     quick: bool = field(default=False, metadata={"help": "Tiny sizes and a short grid (smoke test)."})
+    points: str = field(
+        default="", metadata={"help": "Only these points, ';'-separated names as in the table (default: all)."}
+    )
     timeout: int = field(default=1800, metadata={"help": "Seconds one run may take before it is killed."})
 
 
@@ -87,6 +90,12 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     if args.quick:
         keep = ("adamw lr x1", "adamw lr x2", "diloco H=8", "demo top-k 8", "post-local SGD period 4")
         points = [p for p in points if p[0] in keep or p[0].endswith("default")]
+    if args.points:
+        wanted = [w.strip() for w in args.points.split(";") if w.strip()]
+        unknown = sorted(set(wanted) - {p[0] for p in points})
+        if unknown:
+            raise ValueError(f"--points: unknown {unknown}; the points are: {'; '.join(p[0] for p in points)}")
+        points = [p for p in points if p[0] in wanted]
     return points
 
 

@@ -163,11 +163,13 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     suite = suite_arguments(args)
     data = prepare_lm_data(suite, out)
-    results: dict[str, list[dict]] = {}
     command = " ".join(["python recipes/frontier.py", *argv])
-    lines = [f"`{command}` (code {code_version()}; {suite.nproc} ranks, seed {args.seed})", ""]
+    saved = json.loads((out / "frontier.json").read_text()) if (out / "frontier.json").exists() else {}
+    results: dict[str, list[dict]] = saved.get("results", {})  # other workloads' rows are kept
+    commands: dict[str, str] = saved.get("commands", {})
     for workload in args.workloads.split(","):
         rows = []
+        commands[workload] = f"`{command}` (code {code_version()}; {suite.nproc} ranks, seed {args.seed})"
         for point, method, lr_mult, settings in grid(args):
             run_dir = out / "runs" / workload / point.replace(" ", "_").replace("%", "pc")
             spec = make_spec(suite, workload, method, data, run_dir, args.seed)
@@ -175,9 +177,11 @@ def main(argv: list[str] | None = None) -> dict:
             result = run(spec, suite.nproc, suite.timeout, f"{workload}/{point}", resume=True)
             rows.append({**result, "point": point, "method": method})
             results[workload] = rows
-            (out / "frontier.json").write_text(json.dumps({"command": command, "results": results}))
+            (out / "frontier.json").write_text(json.dumps({"commands": commands, "results": results}))
         plot(workload, rows, out)
-        lines += table(workload, rows)
+    lines = []
+    for workload, rows in results.items():
+        lines += [commands.get(workload, ""), "", *table(workload, rows)]
     (out / "frontier.md").write_text("\n".join(lines))
     print("\n" + "\n".join(lines))
     return results

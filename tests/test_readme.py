@@ -5,7 +5,8 @@
 * Shell commands (bash blocks, and inline commands that start a recipe) must name scripts that exist, ``pip``
   extras that ``pyproject.toml`` defines and flags that the script's ``--help`` lists (a ``bash`` script:
   that it exists); the same goes for the commands in ``docs/*.md``.
-* The toy demo's table must be what ``recipes/toy_demo.py`` prints now.
+* The toy demo's table in ``docs/reproducibility.md`` must be what ``recipes/toy_demo.py`` prints now: bytes
+  and collectives exactly, the mean losses within the spread the table itself measured.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _launch(command: str) -> tuple[list[str], dict[str, str]]:
 EXPECTED = {
     "examples/ddp_loop.py": ["exact", "onebit_gradient", "local", "onebit_sync"],
     "examples/trainer.py": ["'comm/bytes_total'", "'comm/compression_ratio'", "'comm/hook': 1"],
-    "examples/accelerate_loop.py": ["epoch 1: onebit_momentum"],
+    "examples/accelerate_loop.py": ["epoch 2: ", " bytes sent", "replicas in sync: True"],
 }
 
 
@@ -130,13 +131,13 @@ def _check_command(command: str, extras: set[str]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("doc", ["README.md", "docs/benchmark.md"])
+@pytest.mark.parametrize("doc", ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))])
 def test_shell_commands_name_existing_scripts_extras_and_flags(doc):
     pyproject = (REPO / "pyproject.toml").read_text()  # no tomllib: Python 3.10 is supported
     section = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
     extras = set(re.findall(r"^(\w+)\s*=", section, re.M))
     commands = _commands((REPO / doc).read_text())
-    assert commands
+    assert commands or doc != "README.md"  # a docs page may have none
     for command in commands:
         _check_command(command, extras)
 
@@ -164,17 +165,27 @@ def _table_rows(text: str, header: str) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 def test_toy_demo_table_is_what_the_demo_prints_now():
-    section = README[README.index("## Latest toy demo output") :]
-    command = re.search(r"`(torchrun [^`]*recipes/toy_demo.py)`", section).group(1)
+    """Bytes and collectives hold everywhere; a mean loss holds within the spread measured over its seeds.
+
+    A 1-bit run takes signs of values near zero, so another machine's last-bit differences send it
+    down another trajectory: on another machine each seed is a fresh draw. Two means of ``n`` draws
+    then differ with a standard deviation of ``std * sqrt(2 / n)``; the check allows four of them.
+    """
+    doc = (REPO / "docs" / "reproducibility.md").read_text()
+    section = doc[doc.index("## The toy demo") :]
+    command = re.search(r"`(torchrun [^`]*recipes/toy_demo.py[^`]*)`", section).group(1)
     argv, _ = _launch(command)
     proc = subprocess.run(
-        argv, cwd=REPO, capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1")
+        argv, cwd=REPO, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1")
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    header = "| method | held-out loss |"
+    header = "| method | held-out loss, mean of"
     documented, measured = _table_rows(section, header), _table_rows(proc.stdout, header)
     assert documented.keys() == measured.keys()
+    seeds = int(re.search(r"mean of (\d+) seeds", section).group(1))
     for method, cells in documented.items():
         now = measured[method]
-        assert abs(float(cells[0]) - float(now[0])) <= 5e-4, (method, "held-out loss", cells[0], now[0])
-        assert cells[1:4] == now[1:4], (method, "MB sent / ratio / collectives", cells[1:4], now[1:4])
+        mean, std = float(cells[0]), float(cells[1])
+        allowed = 4 * std * (2 / seeds) ** 0.5 + 1e-3
+        assert abs(mean - float(now[0])) <= allowed, (method, "mean held-out loss", cells[0], now[0], allowed)
+        assert cells[2:5] == now[2:5], (method, "MB sent / ratio / collectives", cells[2:5], now[2:5])

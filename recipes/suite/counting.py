@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 
@@ -144,3 +145,19 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def run_summary(
+    curve: list[list], tail: list[float], sent: int, rounds: int, steps: int, model: torch.nn.Module, wall: float
+) -> dict:
+    """The fields every run's result has: the loss curve and its last tenth, bytes, rounds, size, time."""
+    return {
+        "train_loss_last10pct": sum(tail) / len(tail),
+        "first_loss": curve[0][1],
+        "curve": curve,
+        "bytes": sent,
+        "rounds": rounds,
+        "steps": steps,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_wall_s": wall,
+    }

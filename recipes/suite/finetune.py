@@ -110,7 +110,7 @@ def run_finetune(spec: dict) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
 
     from hf_zeroone import ZeroOneTrainer
-    from suite.counting import HookCounter, Progress, attach_communication, comm_totals
+    from suite.counting import HookCounter, Progress, attach_communication, comm_totals, run_summary
 
     data = json.loads(Path(spec["data_dir"], "docstrings.json").read_text())
     labels = data["labels"]
@@ -168,14 +168,7 @@ def run_finetune(spec: dict) -> dict:
         "metric_name": "accuracy (%)",
         "metric": 100 * metrics["eval_accuracy"],
         "eval_loss": metrics["eval_loss"],
-        "train_loss_last10pct": sum(tail) / len(tail),
-        "first_loss": curve[0][1],
-        "curve": curve,
-        "bytes": sent,
-        "rounds": rounds,
-        "steps": steps,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "train_wall_s": wall,
+        **run_summary(curve, tail, sent, rounds, steps, model, wall),
         "train_runtime": train_out.metrics.get("train_runtime"),
         "examples": {"train": len(data["train"]), "eval": len(data["eval"]), "classes": labels},
     }

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from suite.counting import HookCounter, Progress, attach_communication, comm_totals
+from suite.counting import HookCounter, Progress, attach_communication, comm_totals, run_summary
 
 OURS = ("onebit_adam", "zeroone_adam")
 
@@ -193,14 +193,7 @@ def run_loop(spec: dict, rank: int, world: int) -> dict:
         "metric_name": "held-out loss",
         "metric": eval_loss(model),  # rank 0's replica
         "replicas_equal": replicas_equal(model),
-        "train_loss_last10pct": sum(c[1] for c in tail) / len(tail),
-        "first_loss": curve[0][1],
-        "curve": curve,
-        "bytes": sent,
-        "rounds": rounds,
-        "steps": steps,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "train_wall_s": wall,
+        **run_summary(curve, [c[1] for c in tail], sent, rounds, steps, model, wall),
     }
 
 

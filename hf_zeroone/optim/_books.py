@@ -19,7 +19,7 @@ from hf_zeroone._warnings import user_stacklevel
 from hf_zeroone.comm import CommStats, Communicator
 from hf_zeroone.optim import _checkpoint, _grad_scale, _memory
 from hf_zeroone.optim import _functional as F
-from hf_zeroone.optim._flat import FlatBufferCache, FlatBuffers
+from hf_zeroone.optim._flat import FlatBufferCache
 from hf_zeroone.optim._functional import by_group
 from hf_zeroone.optim._grad_scale import GradientScale
 from hf_zeroone.optim._messages import Messages
@@ -248,10 +248,6 @@ class OptimizerBooks(Optimizer):
         """``c2`` of the variance as it stands (before this step's update, if it makes one)."""
         k = self.schedule["variance_updates"]
         return 1.0 - group["betas"][1] ** k if group["bias_correction"] and k > 0 else 1.0
-
-    def flat_buffers(self, params: Sequence[Tensor]) -> FlatBuffers:
-        """Flat error buffers for ``params`` in this order (cached per order; see :mod:`._flat`)."""
-        return self.flat_cache.get(params)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of tensor storage this optimizer holds, by role (see :func:`._memory.state_bytes`)."""

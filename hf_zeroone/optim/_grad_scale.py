@@ -225,12 +225,6 @@ class GradientScale:
         schedule["scale_pending_steps"] = 0
 
     @staticmethod
-    def _pending_entry(state: dict[str, Any], p: Tensor) -> Tensor:
-        if _P not in state:
-            state[_P] = torch.zeros((), dtype=torch.float32, device=p.device)
-        return state[_P]
-
-    @staticmethod
     def pending(state: dict[str, Any], like: Tensor) -> Tensor:
         """This rank's local samples summed since the last sync (zero if none)."""
         return state.get(_P, torch.zeros((), dtype=torch.float32, device=like.device))

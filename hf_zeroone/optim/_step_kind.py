@@ -58,11 +58,6 @@ class StepKind(enum.Enum):
         """True when ``v`` is not updated this step (its scale then follows the gradients, see ``._grad_scale``)."""
         return self is not StepKind.EXACT
 
-    @property
-    def message_is_gradient(self) -> bool:
-        """True when a rank's message is its raw gradient (what DDP's bucket already holds)."""
-        return self in (StepKind.EXACT, StepKind.ONEBIT_GRADIENT)
-
 
 def _check_fraction(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):

@@ -8,6 +8,7 @@ The spec is the JSON ``convergence.py`` or ``frontier.py`` wrote; rank 0 writes
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -37,6 +38,10 @@ def main() -> None:
         result.update(workload=spec["workload"], optimizer=spec["optimizer"], world_size=int(os.environ["WORLD_SIZE"]))
         Path(spec["run_dir"], "result.json").write_text(json.dumps(result))
     if dist.is_initialized():
+        # The run's DDP model, hooks and optimizers sit in reference cycles: collected only at exit, after the
+        # process group is gone, a reducer's threads can abort the process ("terminate called without an
+        # active exception", seen once with post-local SGD). Collect them while the group still exists.
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 

@@ -75,9 +75,9 @@ def lsq_two_ranks():
             "zeroone",
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="known defect (README 'Known problems'): since the gradient-scale rule follows Adam's v "
-                "without the old cap, 0/1 Adam's default local steps end this run at about 1.9x AdamW's loss "
-                "(1.2x with a sync on every step, local_step_clipper=1)",
+                reason="known defect (README 'Known problems'): 0/1 Adam's default local steps end this run at "
+                "about 1.3x AdamW's loss (1.15x with a sync on every step, local_step_clipper=1; 1.9x before "
+                "its variance updates and syncs were weighted by time, tests/test_zeroone_time_weighting.py)",
             ),
         ),
     ],

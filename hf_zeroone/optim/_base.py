@@ -172,10 +172,12 @@ class CompressedAdamBase(OptimizerBooks):
             self.schedule,
             self.follow_gradient_scale,
             lambda group, params, values: self.messages.scale_samples(params, values),
+            gap=self._variance_gap() if kind is StepKind.EXACT else 1,
         )
         if kind is StepKind.ONEBIT_SYNC:
             _local_phase.sync(self, exchange(self, kind))
         if kind is StepKind.EXACT:
+            self.schedule["variance_steps"] = self.variance_steps() + self._variance_gap()
             self.schedule["variance_updates"] += 1
         if kind.communicates:
             self._release_masked_rows(kind)
@@ -232,7 +234,7 @@ class CompressedAdamBase(OptimizerBooks):
                 [s["exp_avg_sq"] for s in states],
                 lr=lr,
                 beta1=group["betas"][0],
-                beta2=group["betas"][1],
+                beta2=group["betas"][1] ** (self._variance_gap() if kind is StepKind.EXACT else 1),
                 c1=c1,
                 decay=decay,
                 update_variance=kind is StepKind.EXACT,

@@ -77,9 +77,13 @@ class OptimizerBooks(Optimizer):
         self.schedule: dict[str, Any] = {
             "step": 0,
             "variance_updates": 0,
+            # the steps the variance stands for: each update counts for the steps since the one before
+            # (0/1 Adam's sparse updates); its bias correction is 1 - beta2 ** variance_steps
+            "variance_steps": 0,
             "masks_ready": False,
             "scale_samples": 0,  # samples folded into the gradient scale since the last variance update (._grad_scale)
-            "noise_samples": 0,  # exact steps that measured the local gradients' noise excess (._grad_scale)
+            # the steps the local gradients' noise excess stands for (._grad_scale), counted like variance_steps
+            "noise_samples": 0,
         }
         self.schedule.update(self._initial_schedule())
         #: the flat error buffers, one per list of parameters communicated together (see ._flat)
@@ -207,7 +211,7 @@ class OptimizerBooks(Optimizer):
             return 1.0, 1.0
         beta1, beta2 = group["betas"]
         t = self.schedule["step"] + 1 if step is None else step
-        k = self.schedule["variance_updates"] + (1 if kind is StepKind.EXACT else 0)
+        k = self.variance_steps() + (self._variance_gap() if kind is StepKind.EXACT else 0)
         c2 = 1.0 - beta2**k if k > 0 else 1.0
         return 1.0 - beta1**t, c2
 
@@ -236,7 +240,7 @@ class OptimizerBooks(Optimizer):
             factors = _grad_scale.factors(
                 states,
                 group["betas"][1],
-                self.schedule["variance_updates"],
+                self.variance_steps(),
                 self.schedule.get("scale_samples", 0),
                 group["bias_correction"],
             )
@@ -244,9 +248,26 @@ class OptimizerBooks(Optimizer):
                 factors = [None if f is None else f.clamp(max=1.0) for f in factors]
         return F.denominators([self.state[p]["exp_avg_sq"] for p in params], c2, group["eps"], factors)
 
+    def variance_steps(self) -> int:
+        """The steps the variance stands for: its updates, each counted for the steps since the one before.
+
+        Equal to the number of updates when every step up to the freeze updates ``v`` (1-bit Adam).
+        0/1 Adam updates it sparsely; an update after a gap of ``k`` steps is weighted as Adam's
+        ``k`` updates of the same gradient would be, ``v <- beta2^k v + (1 - beta2^k) g^2``, and the
+        bias correction is ``1 - beta2^variance_steps``. ``v_hat`` is then Adam's average of ``g^2``
+        over *time*. Counted as one step each (the paper's and DeepSpeed's rule), the dense samples
+        of the first gaps outweigh the later ones: when the gradient's scale fell 20x over the phase,
+        the frozen ``v_hat`` was 3.5x Adam's (``tests/test_zeroone_time_weighting.py``).
+        """
+        return self.schedule["variance_steps"]
+
+    def _variance_gap(self) -> int:
+        """The steps a variance update made now stands for (1 unless the schedule skips variance updates)."""
+        return 1
+
     def _variance_correction(self, group: dict[str, Any]) -> float:
         """``c2`` of the variance as it stands (before this step's update, if it makes one)."""
-        k = self.schedule["variance_updates"]
+        k = self.variance_steps()
         return 1.0 - group["betas"][1] ** k if group["bias_correction"] and k > 0 else 1.0
 
     def state_bytes(self) -> dict[str, int]:

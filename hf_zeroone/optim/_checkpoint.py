@@ -104,5 +104,7 @@ def split_for_torch(opt: Any, state_dict: dict[str, Any]) -> tuple[dict[str, Any
                     state[key] = state[key] != 0
             _masks.index_masked_rows(state)  # checkpoints of earlier versions have no index
         opt.schedule = dict(extra["schedule"])
+        # earlier versions counted each variance update as one step
+        opt.schedule.setdefault("variance_steps", opt.schedule["variance_updates"])
 
     return state_dict, restore

@@ -11,8 +11,9 @@ seed in four.
 
 With the option, each tensor keeps the element-wise *shape* of its frozen ``v`` and rescales it,
 by a factor ``f``, to what Adam's ``v`` would have become on average over the tensor's elements.
-If Adam had gone on updating ``v`` after its last update ``K`` (bias correction ``c_k = 1 -
-beta2^k``), then after ``n`` more steps, for each element,
+If Adam had gone on updating ``v`` after its last update, at step ``K`` (bias correction ``c_k = 1 -
+beta2^k``; ``K`` counts the steps the variance stands for, which 0/1 Adam's sparse updates make
+more than its updates), then after ``n`` more steps, for each element,
 
 .. math::
 
@@ -78,18 +79,20 @@ def _correction(beta2: float, updates: int, bias_correction: bool) -> float:
 
 
 def factors(
-    states: Sequence[dict[str, Any]], beta2: float, variance_updates: int, samples: int, bias_correction: bool
+    states: Sequence[dict[str, Any]], beta2: float, variance_steps: int, samples: int, bias_correction: bool
 ) -> list[Tensor | None]:
     """``f = (c_K / c_{K+n}) G`` of each tensor (the module docstring); ``None`` where there is no ``G``.
 
-    ``variance_updates`` is ``K``, ``samples`` is ``n``. One vectorised computation for all tensors.
+    ``variance_steps`` is ``K`` (the steps the variance stands for, see
+    :meth:`~hf_zeroone.optim.CompressedAdamBase.variance_steps`), ``samples`` is ``n``. One vectorised
+    computation for all tensors.
     """
     out: list[Tensor | None] = [None] * len(states)
     have = [i for i, st in enumerate(states) if _G in st]
-    if not have or variance_updates == 0:
+    if not have or variance_steps == 0:
         return out
-    ratio = _correction(beta2, variance_updates, bias_correction) / _correction(
-        beta2, variance_updates + samples, bias_correction
+    ratio = _correction(beta2, variance_steps, bias_correction) / _correction(
+        beta2, variance_steps + samples, bias_correction
     )
     for i, value in zip(have, (torch.stack([states[i][_G] for i in have]) * ratio).unbind()):
         out[i] = value
@@ -159,6 +162,7 @@ class GradientScale:
         schedule: dict[str, Any],
         enabled: bool,
         local_samples,  # noqa: ANN001 - (group, params, values) -> this rank's samples (local steps)
+        gap: int = 1,
     ) -> None:
         """Fold this step's samples into each tensor's ``G`` (and, on exact steps, ``rho``).
 
@@ -172,7 +176,7 @@ class GradientScale:
         if not enabled:
             return
         if kind is StepKind.EXACT:
-            self._restart(groups, state_of, schedule, samples, averaged)
+            self._restart(groups, state_of, schedule, samples, averaged, gap)
             return
         if schedule["variance_updates"] == 0:
             return  # no variance yet to compare with
@@ -238,14 +242,14 @@ class GradientScale:
         noise = schedule.get("noise_samples", 0)
         if noise and all(_R in st for st in states):  # a local gradient is noisier than the average
             q = q / (torch.stack([st[_R] for st in states]).to(q.device) / (1.0 - beta2**noise))
-        q = q / _correction(beta2, schedule["variance_updates"], group["bias_correction"])
+        q = q / _correction(beta2, schedule["variance_steps"], group["bias_correction"])
         decay = beta2**steps
         current = [st[_G] for st in states]
         torch._foreach_mul_(current, decay)
         torch._foreach_add_(current, list(q.unbind()), alpha=1.0 - decay)
 
     @staticmethod
-    def _restart(groups, state_of, schedule, samples, averaged) -> None:  # noqa: ANN001
+    def _restart(groups, state_of, schedule, samples, averaged, gap=1) -> None:  # noqa: ANN001
         """A variance update: every ``G`` back to 1; with both samples at hand, one more ``rho`` sample."""
         schedule["scale_samples"] = 0
         noise = schedule.get("noise_samples", 0)
@@ -258,10 +262,11 @@ class GradientScale:
                 if p in samples and p in averaged:
                     ratio = samples[p][0] / averaged[p].clamp(min=torch.finfo(torch.float32).tiny)
                     r = st.get(_R, torch.zeros((), dtype=torch.float32, device=p.device))
-                    st[_R] = r * beta2 + ratio.to(r.device, torch.float32) * (1.0 - beta2)
+                    decay = beta2**gap
+                    st[_R] = r * decay + ratio.to(r.device, torch.float32) * (1.0 - decay)
                     measured = True
         if measured:
-            schedule["noise_samples"] = noise + 1
+            schedule["noise_samples"] = noise + gap
 
     @staticmethod
     def _kept(p: Tensor, value: Tensor, handed: Tensor | None, kept_fractions: dict) -> Tensor | None:  # noqa: ANN401

@@ -17,7 +17,9 @@ frozen variance (:func:`._functional.clip_to_variance`) and send their message i
 update, divided by per-element weights derived from ``v`` (the same on every rank); the combined
 result is multiplied back (:func:`._functional.update_unit_weights`). Every element's compression
 error is then a bounded number of learning rates, whatever its own variance and its neighbours'.
-``ONEBIT_SYNC``'s ``u`` is a parameter displacement, sent as it is.
+``ONEBIT_SYNC``'s ``u`` is a parameter displacement, sent per unit of the learning rate summed over
+its interval (:func:`._local_phase.per_lr_units`), so that its error feedback, like the 1-bit
+momentum's, is paid back at the learning rate of the step that pays it.
 
 For ``ONEBIT_MOMENTUM`` the combined momentum ``m'`` is turned into the gradient it implies,
 ``g = (m' - beta1 * m) / (1 - beta1)``, identical on every rank; ``m <- beta1 * m + (1 - beta1) * g``
@@ -88,7 +90,10 @@ class Messages:
             torch._foreach_copy_(list(outs), grads)
             return
         if kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
-            _local_phase.displacements(params, [state[p] for p in params], outs)
+            states = [state[p] for p in params]
+            _local_phase.displacements(params, states, outs)
+            if units:  # per unit of learning rate: see _local_phase.per_lr_units
+                torch._foreach_div_(list(outs), _local_phase.per_lr_units(states))
             return
         for p, g in zip(params, grads):  # ONEBIT_GRADIENT, ONEBIT_MOMENTUM
             _masks.note_activity(state[p], g)
@@ -165,6 +170,8 @@ class Messages:
         if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):  # out of the units of write()
             for group, ps, vs in opt.grouped(params, views):
                 torch._foreach_mul_(list(vs), self._weights(group, ps, opt._coefficients(group, kind)[1]))
+        if kind is StepKind.ONEBIT_SYNC:  # out of the units of write()
+            torch._foreach_mul_(list(views), _local_phase.per_lr_units([opt.state[p] for p in params]))
         rest = lane
         if kind is StepKind.ONEBIT_MOMENTUM:
             for group, ps, vs in opt.grouped(params, views):

@@ -34,7 +34,10 @@ class ZeroOneAdam(CompressedAdamBase):
 
     :math:`T_v`: the gap between variance steps starts at 1 and doubles after every
     ``var_update_scaler`` variance updates. The first ``exact_warmup_steps`` steps are all
-    variance steps, before :math:`T_v` starts (see below).
+    variance steps, before :math:`T_v` starts (see below). A variance step after a gap of
+    :math:`k` steps stands for them: :math:`v \leftarrow \beta_2^k v + (1-\beta_2^k) \hat g^2`,
+    with bias correction :math:`c_2 = 1 - \beta_2^{t_v}`, :math:`t_v` the steps covered
+    (:meth:`~hf_zeroone.optim.CompressedAdamBase.variance_steps`).
 
     **Phase 2**, :math:`t \ge \text{var\_freeze\_step}`: ``v`` is frozen and ranks take *local*
     steps (:attr:`StepKind.LOCAL`, nothing sent). With :math:`d = \sqrt{v/c_2}+\epsilon` (fixed
@@ -62,7 +65,9 @@ class ZeroOneAdam(CompressedAdamBase):
     up to ``local_step_clipper``. The error buffers are reset when phase 2 starts (they held
     gradient errors, and now hold errors of ``u``), as DeepSpeed does.
 
-    **One deliberate difference from the paper and DeepSpeed:** they accumulate and compress ``u``
+    **Two deliberate differences from the paper and DeepSpeed.** They update ``v`` on a
+    variance step as if no step had passed since the last one, so the dense early samples outweigh
+    the sparse later ones (above: each stands for its gap). And they accumulate and compress ``u``
     in momentum space (:math:`\sum \text{lr}_t m`, divided by :math:`d` after the sync). Since
     ``v`` is frozen the two are the same without compression; with it, the 1-bit operator gives
     every element of a segment the same magnitude, and in momentum space that magnitude is then
@@ -70,7 +75,9 @@ class ZeroOneAdam(CompressedAdamBase):
     example) get kicks many times their own update, which grow with the sync gap. On a 1,000-step
     BERT MLM run with 8 sequences per rank (``docs/benchmark.md``), momentum-space syncs diverged
     with gaps of 4 and 16 while parameter-space syncs stayed at AdamW's loss. The bytes sent are
-    the same.
+    the same. The message is ``u`` per unit of the interval's summed learning rate
+    (:func:`~hf_zeroone.optim._local_phase.per_lr_units`), so error feedback pays an error back at
+    the learning rate of the sync that pays it.
 
     Hyper-parameter names and defaults follow DeepSpeed's ``ZeroOneAdam`` so configs carry over.
 
@@ -243,6 +250,9 @@ class ZeroOneAdam(CompressedAdamBase):
             return False
         last = s.get("last_lrs")
         return last is None or any(g["lr"] > lr for g, lr in zip(self.param_groups, last))
+
+    def _variance_gap(self) -> int:
+        return self.schedule["steps_since_var_update"] + 1
 
     def next_step_kind(self) -> StepKind:
         s = self.schedule

@@ -66,14 +66,15 @@ def test_a_sync_pays_back_its_compression_error_at_the_learning_rate_of_the_day(
     assert late < 3 * early, (early, late)
 
 
-def _variance_at_freeze(make_opt, scales):
+def _train_one_tensor(make_opt, scales):
+    """An optimizer over one 64-element tensor, stepped on gradients of the given scales; the optimizer."""
     p = torch.nn.Parameter(torch.zeros(64))
     opt = make_opt([p])
     gen = torch.Generator().manual_seed(0)
     for s in scales:
         p.grad = s * torch.randn(64, generator=gen)
         opt.step()
-    return opt.state[p]["exp_avg_sq"]
+    return opt
 
 
 def test_sparse_variance_updates_stand_for_the_steps_between_them():
@@ -86,18 +87,13 @@ def test_sparse_variance_updates_stand_for_the_steps_between_them():
 
     steps = 200
     scales = [20.0 ** (-t / steps) for t in range(steps)]
-    adam = _variance_at_freeze(lambda ps: torch.optim.Adam(ps, lr=1e-3), scales)
-    adam_hat = adam / (1 - 0.999**steps)
-    opt_holder = []
-
-    def make(ps):
-        opt_holder.append(ZeroOneAdam(ps, lr=1e-3, var_freeze_step=steps, var_update_scaler=2, exact_warmup_steps=0))
-        return opt_holder[0]
-
-    mine = _variance_at_freeze(make, scales)
-    opt = opt_holder[0]
+    adam = _train_one_tensor(lambda ps: torch.optim.Adam(ps, lr=1e-3), scales)
+    adam_hat = next(iter(adam.state.values()))["exp_avg_sq"] / (1 - 0.999**steps)
+    opt = _train_one_tensor(
+        lambda ps: ZeroOneAdam(ps, lr=1e-3, var_freeze_step=steps, var_update_scaler=2, exact_warmup_steps=0), scales
+    )
     assert opt.schedule["variance_updates"] < 20  # sparse: a gap of 32 steps by the end
-    mine_hat = mine / opt._variance_correction(opt.param_groups[0])
+    mine_hat = next(iter(opt.state.values()))["exp_avg_sq"] / opt._variance_correction(opt.param_groups[0])
     ratio = float(mine_hat.mean() / adam_hat.mean())
     # Counted as one step each, the early samples made it 3.5x Adam's (1.01x since).
     assert 0.6 < ratio < 1.5, ratio

@@ -252,6 +252,7 @@ class ZeroOneAdam(CompressedAdamBase):
         return last is None or any(g["lr"] > lr for g, lr in zip(self.param_groups, last))
 
     def _variance_gap(self) -> int:
+        """The steps since the last variance update, this one included (see ``variance_steps``)."""
         return self.schedule["steps_since_var_update"] + 1
 
     def next_step_kind(self) -> StepKind:

@@ -12,12 +12,16 @@ from torch import Tensor
 def all_finite(tensors: Iterable[Tensor]) -> bool:
     """``True`` when no element of any tensor is NaN or infinite.
 
-    The largest absolute value of a tensor is NaN or infinite exactly when an element is (it
-    cannot overflow, unlike a sum): one multi-tensor reduction for all tensors, one host read,
-    and no boolean written per element as ``torch.isfinite(t).all()`` does.
+    One multi-tensor reduction for all tensors and one host read, with no boolean written per
+    element as ``torch.isfinite(t).all()`` does. The 2-norms come first (on CPU four times cheaper
+    than the largest absolute values): finite norms mean finite elements. A norm can overflow on
+    finite elements above about 1e19, so a non-finite one is checked again with the largest
+    absolute values, which cannot.
     """
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
+        return True
+    if bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
         return True
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, math.inf))).all())
 

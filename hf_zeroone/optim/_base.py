@@ -122,6 +122,7 @@ class CompressedAdamBase(OptimizerBooks):
             return self._step(kind, loss)
         finally:
             self._step_denominators = None
+            self.variance_views.release()
 
     def _step(self, kind: StepKind, loss: Any) -> Any:  # noqa: ANN401
         hook_done = self.communicated_step == self.schedule["step"]

@@ -24,6 +24,7 @@ from hf_zeroone.optim._functional import by_group
 from hf_zeroone.optim._grad_scale import GradientScale
 from hf_zeroone.optim._messages import Messages
 from hf_zeroone.optim._step_kind import StepKind, _check_int, check_adam_arguments, check_param_group
+from hf_zeroone.optim._variance_views import SampleStatistics, VarianceViews
 
 __all__ = ["UNSET_FREEZE_STEP", "OptimizerBooks"]
 
@@ -92,6 +93,8 @@ class OptimizerBooks(Optimizer):
         )
         #: this step's samples of follow_gradient_scale (see ._grad_scale)
         self.grad_scale = GradientScale()
+        #: the denominators and sample statistics of each v, computed once per version (see ._variance_views)
+        self.variance_views = VarianceViews()
         self._prepared_step = -1
         self._group_of: dict[int, dict[str, Any]] | None = None
         #: set by a DDP hook: the step whose results are already in ``p.grad``
@@ -248,6 +251,16 @@ class OptimizerBooks(Optimizer):
                 factors = [None if f is None else f.clamp(max=1.0) for f in factors]
         return F.denominators([self.state[p]["exp_avg_sq"] for p in params], c2, group["eps"], factors)
 
+    def plain_denominators(
+        self, group: dict[str, Any], params: Sequence[Tensor], c2: float
+    ) -> tuple[list[Tensor], SampleStatistics]:
+        """``sqrt(v / c2) + eps`` of ``params`` (one group's) and their statistics, reused while ``v`` stands.
+
+        Without ``follow_gradient_scale``'s factor: what the update-unit weights and the scale
+        samples measure against (:mod:`._variance_views`).
+        """
+        return self.variance_views.statistics(params, [self.state[p]["exp_avg_sq"] for p in params], c2, group["eps"])
+
     def variance_steps(self) -> int:
         """The steps the variance stands for: its updates, each counted for the steps since the one before.
 
@@ -309,5 +322,6 @@ class OptimizerBooks(Optimizer):
         super().load_state_dict(plain)
         restore()
         self.flat_cache.clear()
+        self.variance_views.clear()
         self._prepared_step = -1
         self.communicated_step = None

@@ -34,12 +34,13 @@ __all__ = [
     "by_group",
     "clip_to_variance",
     "denominators",
+    "from_update_units",
     "implied_gradients",
     "l2_gradients",
     "local_sq_norms",
     "momentum_messages",
     "norm_proxy_factors",
-    "update_unit_weights",
+    "to_update_units",
     "variance_bound",
 ]
 
@@ -128,11 +129,13 @@ def momentum_messages(
             out.copy_(m).lerp_(g.to(out.dtype), 1.0 - beta1)
 
 
-def update_unit_weights(exp_avg_sqs: Sequence[Tensor], c2: float, eps: float) -> list[Tensor]:
-    r"""Per-element weights ``w = d / mean(d)``, ``d = sqrt(v / c2) + eps``, in float32: the units of the update.
+def to_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: Tensor) -> None:
+    r"""Divide each message by its per-element weights ``w = d / mean(d)`` in place: the units of the update.
 
-    A 1-bit gradient or momentum message is divided by ``w`` before compression and the combined
-    result multiplied by it after. The update of element ``j`` is ``lr * m_j / d_j``, so in these
+    ``dens`` are the plain denominators ``d = sqrt(v / c2) + eps`` (float32), ``means`` their mean
+    per tensor (:func:`._grad_scale.sample_statistics`). A 1-bit gradient or momentum message is
+    put in these units before compression and the combined result taken back by
+    :func:`from_update_units`. The update of element ``j`` is ``lr * m_j / d_j``, so in these
     units one sign and one segment scale ``s`` cost every element the same, ``lr * s / mean(d)``
     learning rates: the compression error of an element whose variance is orders of magnitude
     below its tensor's (an attention key bias, whose exact gradient is zero, has ``d_j`` near
@@ -140,12 +143,19 @@ def update_unit_weights(exp_avg_sqs: Sequence[Tensor], c2: float, eps: float) ->
     that mixes parts of very different scale (a fused q/k/v bias) no longer set its small parts'
     noise. ``v`` is the same on every rank, so every rank uses the same weights, and while ``v`` is
     frozen error feedback stays exact. Messages must be bounded in these units for the segment
-    scale to stay a few learning rates: :func:`clip_to_variance` sees to it.
+    scale to stay a few learning rates: :func:`clip_to_variance` sees to it. Computed as
+    ``value * mean / d``, two in-place passes and no weight tensor.
     """
-    out = denominators(as_dtype(exp_avg_sqs, torch.float32), c2, eps)
-    means = [norm / max(d.numel(), 1) for norm, d in zip(torch._foreach_norm(out, 1), out)]
-    torch._foreach_div_(out, means)
-    return out
+    values = list(values)
+    torch._foreach_mul_(values, list(means.unbind()))
+    torch._foreach_div_(values, list(dens))
+
+
+def from_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: Tensor) -> None:
+    """The inverse of :func:`to_update_units`, in place: each value times ``d / mean(d)``."""
+    values = list(values)
+    torch._foreach_mul_(values, list(dens))
+    torch._foreach_div_(values, list(means.unbind()))
 
 
 def variance_bound(beta2: float) -> float:

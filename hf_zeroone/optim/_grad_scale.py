@@ -62,7 +62,7 @@ from torch import Tensor
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._step_kind import StepKind
 
-__all__ = ["GradientScale", "factors", "kept_fraction", "scale_samples"]
+__all__ = ["GradientScale", "factors", "kept_fraction", "sample_statistics", "scale_samples"]
 
 _G, _R, _P = "grad_scale", "noise_excess", "scale_pending"
 #: state entries of this module (float32 scalars, kept float32 through checkpoints)
@@ -108,21 +108,35 @@ def kept_fraction(ratio: Tensor) -> Tensor:
     return torch.where(ratio > 1.0 - 1e-5, torch.ones_like(ratio), ratio)
 
 
-def scale_samples(grads: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float) -> Tensor:
+def sample_statistics(dens: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Per tensor, the mean of its denominators ``d`` and the count of its active elements (float32 vectors).
+
+    An element is active when its ``d`` is at least :data:`IDLE_BELOW` of its tensor's mean (see
+    :func:`scale_samples`); the count is at least 1. Both stay while ``v`` does
+    (:class:`._variance_views.VarianceViews` keeps them).
+    """
+    means = torch.stack([norm / max(d.numel(), 1) for norm, d in zip(torch._foreach_norm(list(dens), 1), dens)])
+    counts = torch.stack([d.ge(floor).sum() for d, floor in zip(dens, (means * IDLE_BELOW).unbind())])
+    return means, counts.to(torch.float32).clamp_(min=1.0)
+
+
+def scale_samples(
+    grads: Sequence[Tensor], dens: Sequence[Tensor], means: Tensor, counts: Tensor, idle: Sequence[bool] | None
+) -> Tensor:
     """``q``: each gradient's mean square once normalised by the variance, as one float32 vector.
 
-    The mean of ``(g_j / (sqrt(v_j / c2) + eps))^2`` over the elements whose ``sqrt(v_j / c2) + eps``
-    is at least :data:`IDLE_BELOW` of their tensor's mean: how large the gradient is *relative to*
-    what ``v`` expects, element by element, so that a few elements with large gradients do not
-    speak for the whole tensor, and elements with next to no variance do not either. The tensors
-    are one parameter group's.
+    The mean of ``(g_j / d_j)^2``, ``d = sqrt(v / c2) + eps``, over the elements whose ``d_j`` is
+    at least :data:`IDLE_BELOW` of their tensor's mean (``means``; ``counts`` of them, from
+    :func:`sample_statistics`): how large the gradient is *relative to* what ``v`` expects,
+    element by element, so that a few elements with large gradients do not speak for the whole
+    tensor, and elements with next to no variance do not either. ``idle``: per tensor, whether
+    any element is inactive (``None``: unknown, every tensor is masked). The tensors are one
+    parameter group's.
     """
-    dens = F.denominators(F.as_dtype(exp_avg_sqs, torch.float32), c2, eps)
-    ratios = list(torch._foreach_div(F.as_dtype(grads, torch.float32), dens))
-    floors = [IDLE_BELOW * norm / max(d.numel(), 1) for norm, d in zip(torch._foreach_norm(dens, 1), dens)]
-    active = [d.ge(floor).to(torch.float32) for d, floor in zip(dens, floors)]
-    torch._foreach_mul_(ratios, active)
-    counts = torch.stack(torch._foreach_norm(active, 1)).clamp_(min=1.0)
+    ratios = list(torch._foreach_div(F.as_dtype(grads, torch.float32), list(dens)))
+    for i, (r, d, floor) in enumerate(zip(ratios, dens, (means * IDLE_BELOW).unbind())):
+        if idle is None or idle[i]:
+            r.masked_fill_(d < floor, 0.0)
     return torch.stack(torch._foreach_norm(ratios)).square_().div_(counts)
 
 

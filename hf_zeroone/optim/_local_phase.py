@@ -58,12 +58,18 @@ def displacements(params: list[Tensor], states: list[dict[str, Any]], outs: list
     if plain:
         derived = [outs[i] for i in plain]
         torch._foreach_copy_(derived, [states[i]["sync_param"] for i in plain])
-        torch._foreach_mul_(derived, [float(states[i]["decay_prod"]) for i in plain])
+        _scale_unless_one(derived, [float(states[i]["decay_prod"]) for i in plain])
         torch._foreach_sub_(derived, [params[i] for i in plain])
     done = set(plain)
     for i, (p, st, out) in enumerate(zip(params, states, outs)):
         if i not in done:
             displacement(p, st, out)
+
+
+def _scale_unless_one(tensors: list[Tensor], factors: list[float]) -> None:
+    """Multiply each tensor by its factor in place; skipped when every factor is 1 (no weight decay)."""
+    if any(f != 1.0 for f in factors):
+        torch._foreach_mul_(tensors, factors)
 
 
 def displacement_is_derived(p: Tensor, state: dict[str, Any], out: Tensor) -> bool:
@@ -97,14 +103,15 @@ def apply_sync(
     """
     us = [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(params, combined_u)]
     torch._foreach_copy_(params, [st["sync_param"] for st in states])
-    torch._foreach_mul_(params, [float(st["decay_prod"]) for st in states])
+    _scale_unless_one(params, [float(st["decay_prod"]) for st in states])
     torch._foreach_sub_(params, us)
     moved = [i for i, st in enumerate(states) if st["lr_sum"] > 0]
     if moved:
         exp_avgs = [states[i]["exp_avg"] for i in moved]
-        torch._foreach_copy_(exp_avgs, [us[i] for i in moved])
-        torch._foreach_mul_(exp_avgs, [dens[i] for i in moved])
-        torch._foreach_mul_(exp_avgs, [c1 / states[i]["lr_sum"] for i in moved])
+        torch._foreach_zero_(exp_avgs)
+        torch._foreach_addcmul_(
+            exp_avgs, [us[i] for i in moved], [dens[i] for i in moved], [c1 / states[i]["lr_sum"] for i in moved]
+        )
     for p, st in zip(params, states):
         if "update_accumulator" in st:
             if accumulates_displacement(p):

@@ -94,6 +94,9 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
         for f in dataclasses.fields(entry):
             for t in _tensors(getattr(entry, f.name)):
                 add(f"flat.{f.name}", t)
+    views = getattr(optimizer, "variance_views", None)
+    for t in views.held() if views is not None else ():
+        add("variance_views", t)
     messages = getattr(optimizer, "messages", None)
     for t in _tensors(getattr(messages, "norm_proxy_factors", {})):
         add("norm_proxy", t)

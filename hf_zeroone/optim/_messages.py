@@ -15,7 +15,7 @@ during backward, and ``step()``'s own exchange (:mod:`._exchange`). For every ki
 The 1-bit kinds ``ONEBIT_GRADIENT`` and ``ONEBIT_MOMENTUM`` clip each local gradient to the
 frozen variance (:func:`._functional.clip_to_variance`) and send their message in units of the
 update, divided by per-element weights derived from ``v`` (the same on every rank); the combined
-result is multiplied back (:func:`._functional.update_unit_weights`). Every element's compression
+result is multiplied back (:func:`._functional.to_update_units`). Every element's compression
 error is then a bounded number of learning rates, whatever its own variance and its neighbours'.
 ``ONEBIT_SYNC``'s ``u`` is a parameter displacement, sent per unit of the learning rate summed over
 its interval (:func:`._local_phase.per_lr_units`), so that its error feedback, like the 1-bit
@@ -79,7 +79,7 @@ class Messages:
 
         On the 1-bit gradient and momentum kinds each local gradient is first clipped to the frozen
         variance (:func:`._functional.clip_to_variance`, unless the optimizer's ``clip_to_variance``
-        is off), and the message is put in units of the update (:func:`._functional.update_unit_weights`)
+        is off), and the message is put in units of the update (:func:`._functional.to_update_units`)
         unless ``units`` is false (one process: nothing is compressed). Reads the optimizer state and
         leaves it unchanged, except for noting which masked rows received a gradient: a step that is
         later skipped (non-finite gradients, a GradScaler overflow) leaves no other trace.
@@ -109,10 +109,8 @@ class Messages:
                     gs = F.l2_gradients(gs, ps, group["weight_decay"])
                 F.momentum_messages([state[p]["exp_avg"] for p in ps], gs, group["betas"][0], os_)
             if units:
-                torch._foreach_div_(os_, self._weights(group, ps, c2))
-
-    def _weights(self, group: dict[str, Any], params: Sequence[Tensor], c2: float) -> list[Tensor]:
-        return F.update_unit_weights([self.opt.state[p]["exp_avg_sq"] for p in params], c2, group["eps"])
+                dens, stats = opt.plain_denominators(group, ps, c2)
+                F.to_update_units(os_, dens, stats.means)
 
     def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
         """Samples of ``follow_gradient_scale`` from local gradients (:func:`._grad_scale.scale_samples`), in order."""
@@ -120,9 +118,8 @@ class Messages:
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         out: dict[int, Tensor] = {}
         for group, ps, gs in opt.grouped(params, grads):
-            values = _grad_scale.scale_samples(
-                gs, [opt.state[p]["exp_avg_sq"] for p in ps], opt._variance_correction(group), group["eps"]
-            )
+            dens, stats = opt.plain_denominators(group, ps, opt._variance_correction(group))
+            values = _grad_scale.scale_samples(gs, dens, stats.means, stats.counts, stats.idle)
             out.update(zip(map(id, ps), values.unbind()))
         return torch.stack([out[id(p)] for p in params])
 
@@ -169,7 +166,8 @@ class Messages:
         opt, n = self.opt, len(params)
         if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):  # out of the units of write()
             for group, ps, vs in opt.grouped(params, views):
-                torch._foreach_mul_(list(vs), self._weights(group, ps, opt._coefficients(group, kind)[1]))
+                dens, stats = opt.plain_denominators(group, ps, opt._coefficients(group, kind)[1])
+                F.from_update_units(vs, dens, stats.means)
         if kind is StepKind.ONEBIT_SYNC:  # out of the units of write()
             torch._foreach_mul_(list(views), _local_phase.per_lr_units([opt.state[p] for p in params]))
         rest = lane

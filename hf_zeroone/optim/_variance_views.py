@@ -1,0 +1,127 @@
+r"""What the steps derive from each parameter's variance ``v``, computed once per version of ``v``.
+
+While ``v`` is frozen (1-bit Adam after ``freeze_step``; 0/1 Adam between its variance updates
+and after ``var_freeze_step``) every step needs the same values of it:
+
+* the plain denominators :math:`d = \sqrt{v / c_2} + \epsilon`
+  (:func:`._functional.denominators`, without the factor of ``follow_gradient_scale``): the
+  update-unit weights of the 1-bit messages (:func:`._functional.to_update_units`) and the samples
+  of ``follow_gradient_scale`` (:func:`._grad_scale.scale_samples`) are measured against them;
+* per tensor, the mean of ``d`` and the count of the elements that take part in the samples
+  (:func:`._grad_scale.sample_statistics`).
+
+Computed afresh on every use, they cost a 394-tensor model more per step than AdamW's whole step
+(``recipes/bench_step.py``). :class:`VarianceViews` computes each once and reuses it while it is
+valid: every value is keyed by the parameter, the identity and version counter of its ``v`` (torch
+counts every in-place write to a tensor and to its views), ``c2`` and ``eps``. A variance update,
+a checkpoint load or a changed ``eps`` recomputes it; nothing stale can be read.
+
+Two lifetimes keep what the optimizer holds between steps as documented (:mod:`._memory`): the
+full-size denominators are dropped when the step ends (:meth:`VarianceViews.release`); the
+per-tensor statistics (a few floats per tensor) stay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hf_zeroone.optim import _functional as F
+from hf_zeroone.optim._grad_scale import sample_statistics
+
+__all__ = ["SampleStatistics", "VarianceViews"]
+
+
+def _version(t: Tensor) -> int | None:
+    """``t``'s version counter, or ``None`` where torch keeps none (inference tensors): never cached then."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+class SampleStatistics:
+    """Per tensor of a list: its mean denominator, active count and whether any element is idle.
+
+    ``idle`` is ``None`` until the statistics are reused (reading it needs the counts on the host,
+    a GPU sync, worth paying only for a variance that stays); until then every tensor is masked.
+    """
+
+    def __init__(self, means: Tensor, counts: Tensor, idle: list[bool] | None) -> None:
+        self.means, self.counts, self.idle = means, counts, idle
+
+
+class VarianceViews:
+    """The denominators and sample statistics of each parameter's ``v``, while ``v`` is unchanged (see the module)."""
+
+    def __init__(self) -> None:
+        self._dens: dict[int, tuple[Any, Tensor]] = {}
+        self._stats: dict[int, tuple[Any, Tensor, Tensor, bool | None]] = {}
+
+    @staticmethod
+    def _key(v: Tensor, c2: float, eps: float) -> tuple:
+        return (v, _version(v), c2, eps)  # v itself, compared by identity: an id can be reused
+
+    def denominators(
+        self, params: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float
+    ) -> list[Tensor]:
+        """``sqrt(v / c2) + eps`` of each parameter (float32), reused until ``v`` changes or the step ends."""
+        keys = [self._key(v, c2, eps) for v in exp_avg_sqs]
+        missing = [i for i, (p, key) in enumerate(zip(params, keys)) if self._valid(self._dens, p, key) is None]
+        if missing:
+            fresh = F.denominators(F.as_dtype([exp_avg_sqs[i] for i in missing], torch.float32), c2, eps)
+            for i, d in zip(missing, fresh):
+                if keys[i][1] is not None:
+                    self._dens[id(params[i])] = (keys[i], d)
+            if len(missing) == len(params):
+                return fresh
+            by_index = dict(zip(missing, fresh))
+            return [by_index[i] if i in by_index else self._dens[id(p)][1] for i, p in enumerate(params)]
+        return [self._dens[id(p)][1] for p in params]
+
+    def statistics(
+        self, params: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float
+    ) -> tuple[list[Tensor], SampleStatistics]:
+        """The denominators and their :class:`SampleStatistics`, for one parameter group's tensors in order."""
+        dens = self.denominators(params, exp_avg_sqs, c2, eps)
+        keys = [self._key(v, c2, eps) for v in exp_avg_sqs]
+        entries = [self._valid(self._stats, p, key) for p, key in zip(params, keys)]
+        if any(e is None for e in entries):
+            means, counts = sample_statistics(dens)
+            for p, key, mean, count in zip(params, keys, means.unbind(), counts.unbind()):
+                if key[1] is not None:
+                    self._stats[id(p)] = (key, mean, count, None)
+            return dens, SampleStatistics(means, counts, None)
+        means = torch.stack([e[1] for e in entries])
+        counts = torch.stack([e[2] for e in entries])
+        if any(e[3] is None for e in entries):  # reused: worth one host read to skip the all-active tensors
+            idle = [count < d.numel() for count, d in zip(counts.tolist(), dens)]
+            for p, e, flag in zip(params, entries, idle):
+                self._stats[id(p)] = (*e[:3], flag)
+        else:
+            idle = [e[3] for e in entries]
+        return dens, SampleStatistics(means, counts, idle)
+
+    def held(self) -> list[Tensor]:
+        """Every tensor held now (for :func:`._memory.state_bytes`): none full-size between steps."""
+        return [d for _, d in self._dens.values()] + [t for e in self._stats.values() for t in e[1:3]]
+
+    def release(self) -> None:
+        """Drop the full-size denominators (at the end of a step); the per-tensor statistics stay."""
+        self._dens.clear()
+
+    def clear(self) -> None:
+        """Forget everything (a checkpoint was loaded)."""
+        self._dens.clear()
+        self._stats.clear()
+
+    @staticmethod
+    def _valid(table: dict[int, tuple], p: Tensor, key: tuple) -> tuple | None:
+        entry = table.get(id(p))
+        if entry is None or key[1] is None:
+            return None
+        held = entry[0]
+        return entry if held[0] is key[0] and held[1:] == key[1:] else None

@@ -1,0 +1,80 @@
+"""What a frozen variance gives the steps is computed once per version of ``v``, never read stale, and changes nothing."""
+
+import pytest
+import torch
+
+from hf_zeroone import OneBitAdam, ZeroOneAdam
+from hf_zeroone.optim import _functional as F
+from hf_zeroone.optim._grad_scale import sample_statistics
+from hf_zeroone.optim._memory import state_bytes
+from hf_zeroone.optim._variance_views import VarianceViews
+
+
+def _fresh(vs, c2, eps):
+    return F.denominators(vs, c2, eps)
+
+
+def test_every_change_of_v_c2_or_eps_recomputes_and_a_frozen_v_is_reused():
+    params = [torch.zeros(5, 3), torch.zeros(7)]
+    vs = [torch.rand(5, 3) + 0.1, torch.rand(7) + 0.1]
+    views = VarianceViews()
+    first = views.denominators(params, vs, 0.5, 1e-8)
+    assert all(a is b for a, b in zip(first, views.denominators(params, vs, 0.5, 1e-8)))  # reused while frozen
+
+    vs[0].mul_(4.0)  # an in-place variance update
+    after = views.denominators(params, vs, 0.5, 1e-8)
+    assert after[1] is first[1]
+    assert torch.equal(after[0], _fresh(vs, 0.5, 1e-8)[0]) and not torch.equal(after[0], first[0])
+
+    vs[1] = vs[1] * 9.0  # a new tensor in its place (a checkpoint load)
+    assert torch.equal(views.denominators(params, vs, 0.5, 1e-8)[1], _fresh(vs, 0.5, 1e-8)[1])
+    for c2, eps in ((0.25, 1e-8), (0.25, 1e-3)):
+        assert all(torch.equal(a, b) for a, b in zip(views.denominators(params, vs, c2, eps), _fresh(vs, c2, eps)))
+
+
+def test_statistics_follow_v_and_release_keeps_only_per_tensor_floats():
+    params = [torch.zeros(64), torch.zeros(32)]
+    vs = [torch.rand(64) + 0.1, torch.rand(32) + 0.1]
+    vs[0][:10] = 0.0  # idle elements: d = eps, far below a tenth of the mean
+    views = VarianceViews()
+    for _ in range(2):  # built, then reused (and the idle flags read once)
+        dens, stats = views.statistics(params, vs, 1.0, 1e-8)
+        means, counts = sample_statistics(_fresh(vs, 1.0, 1e-8))
+        assert torch.equal(stats.means, means) and torch.equal(stats.counts, counts)
+    assert stats.idle == [True, False] and counts.tolist() == [54.0, 32.0]
+    vs[0].fill_(1.0)
+    _, stats = views.statistics(params, vs, 1.0, 1e-8)
+    assert stats.counts.tolist() == [64.0, 32.0] and stats.idle is None  # rebuilt: every tensor masked again
+    views.release()
+    held = views.held()  # a mean and a count per tensor, nothing full-size
+    assert len(held) == 2 * len(params) and all(t.dim() == 0 for t in held)
+
+
+def _train(cls, kwargs, cached: bool, monkeypatch):
+    if not cached:  # every value computed afresh on every use, as before the views existed
+        monkeypatch.setattr(VarianceViews, "_valid", staticmethod(lambda table, p, key: None))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    opt = cls(model.parameters(), lr=1e-2, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    kinds = set()
+    for _ in range(40):
+        x = torch.randn(8, 16, generator=gen)
+        opt.zero_grad()
+        (model(x) - x.flip(1)).pow(2).mean().backward()
+        opt.step()
+        kinds.add(opt.last_step_kind.value)
+        assert "variance_views" not in {k for k, b in state_bytes(opt).items() if b > 1024}  # released by step()
+    monkeypatch.undo()
+    return [p.detach().clone() for p in model.parameters()], kinds
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [(OneBitAdam, {"freeze_step": 6}), (ZeroOneAdam, {"var_freeze_step": 12, "exact_warmup_steps": 2})],
+)
+def test_reusing_what_a_frozen_variance_gives_changes_no_bit_of_training(cls, kwargs, monkeypatch):
+    cached, kinds = _train(cls, kwargs, True, monkeypatch)
+    fresh, _ = _train(cls, kwargs, False, monkeypatch)
+    assert len(kinds) >= 2, kinds  # the run reached the frozen-variance steps
+    assert all(torch.equal(a, b) for a, b in zip(cached, fresh))

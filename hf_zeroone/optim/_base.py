@@ -228,6 +228,7 @@ class CompressedAdamBase(OptimizerBooks):
             states = [self.state[p] for p in params]
             if local:
                 grads = _masks.mask_local_gradients(states, grads, values)
+            errors_in = self.messages.units_before_variance_update(group, params) if kind is StepKind.EXACT else None
             dens = F.adam_update(
                 params,
                 grads,
@@ -245,6 +246,8 @@ class CompressedAdamBase(OptimizerBooks):
             )
             if local:
                 _local_phase.note_local_step(states, dens, lr, c1, decay)
+            if errors_in is not None:  # v changed under the error buffers of earlier 1-bit steps
+                self.messages.keep_errors_through_variance_update(group, params, errors_in, c2)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As :meth:`torch.optim.Optimizer.zero_grad`; also forgets a hook's results never stepped on.

@@ -1,4 +1,4 @@
-"""What a frozen variance gives the steps is computed once per version of ``v``, never read stale, and changes nothing."""
+"""What a frozen variance gives the steps: computed once per version of ``v``, never read stale, changing nothing."""
 
 import pytest
 import torch

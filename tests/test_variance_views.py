@@ -32,22 +32,29 @@ def test_every_change_of_v_c2_or_eps_recomputes_and_a_frozen_v_is_reused():
         assert all(torch.equal(a, b) for a, b in zip(views.denominators(params, vs, c2, eps), _fresh(vs, c2, eps)))
 
 
-def test_statistics_follow_v_and_release_keeps_only_per_tensor_floats():
+def test_statistics_follow_v_and_the_host_reads_them_only_when_a_step_settles():
     params = [torch.zeros(64), torch.zeros(32)]
     vs = [torch.rand(64) + 0.1, torch.rand(32) + 0.1]
     vs[0][:10] = 0.0  # idle elements: d = eps, far below a tenth of the mean
     views = VarianceViews()
-    for _ in range(2):  # built, then reused (and the idle flags read once)
+    for _ in range(2):  # built, then reused within the "step": never read on the host
         dens, stats = views.statistics(params, vs, 1.0, 1e-8)
-        means, counts = sample_statistics(_fresh(vs, 1.0, 1e-8))
+        means, counts, idle = sample_statistics(_fresh(vs, 1.0, 1e-8))
         assert torch.equal(stats.means, means) and torch.equal(stats.counts, counts)
-    assert stats.idle == [True, False] and counts.tolist() == [54.0, 32.0]
+        assert stats.idle is None  # unknown: every tensor is masked
+    assert idle.tolist() == [True, False] and counts.tolist() == [54.0, 32.0]
+    views.release()
+    views.settle()  # the end of the step: v unchanged, one host read
+    assert views.statistics(params, vs, 1.0, 1e-8)[1].idle == [True, False]
     vs[0].fill_(1.0)
+    views.settle()  # v changed after the statistics: nothing to read
     _, stats = views.statistics(params, vs, 1.0, 1e-8)
     assert stats.counts.tolist() == [64.0, 32.0] and stats.idle is None  # rebuilt: every tensor masked again
+    views.release(params[:1])
+    assert [t.numel() for t in views.held()] == [32] + [1] * 6  # the second tensor's d; 3 floats per tensor
     views.release()
-    held = views.held()  # a mean and a count per tensor, nothing full-size
-    assert len(held) == 2 * len(params) and all(t.dim() == 0 for t in held)
+    held = views.held()  # a mean, a count and a flag per tensor, nothing full-size
+    assert len(held) == 3 * len(params) and all(t.dim() == 0 for t in held)
 
 
 def _train(cls, kwargs, cached: bool, monkeypatch):
@@ -77,4 +84,46 @@ def test_reusing_what_a_frozen_variance_gives_changes_no_bit_of_training(cls, kw
     cached, kinds = _train(cls, kwargs, True, monkeypatch)
     fresh, _ = _train(cls, kwargs, False, monkeypatch)
     assert len(kinds) >= 2, kinds  # the run reached the frozen-variance steps
+    assert all(torch.equal(a, b) for a, b in zip(cached, fresh))
+
+
+def _train_two_ranks(rank, world, cls_name, kwargs, cached):
+    """Through the DDP hook on 2 ranks (1-bit messages in update units, lanes, error buffers): final parameters."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hf_zeroone
+    from hf_zeroone import register_zeroone_hook
+
+    if not cached:
+        VarianceViews._valid = staticmethod(lambda table, p, key: None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
+    opt = getattr(hf_zeroone, cls_name)(ddp.parameters(), lr=1e-2, **kwargs)
+    register_zeroone_hook(ddp, opt)
+    gen = torch.Generator().manual_seed(1 + rank)
+    kinds = set()
+    for _ in range(40):
+        x = torch.randn(8, 16, generator=gen)
+        opt.zero_grad()
+        (ddp(x) - x.flip(1)).pow(2).mean().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        kinds.add(opt.last_step_kind.value)
+    return [p.detach().clone() for p in model.parameters()], sorted(kinds)
+
+
+@pytest.mark.parametrize(
+    "cls_name, kwargs",
+    [("OneBitAdam", {"freeze_step": 6}), ("ZeroOneAdam", {"var_freeze_step": 24, "exact_warmup_steps": 2})],
+)
+def test_through_the_hook_on_two_ranks_reusing_them_changes_no_bit(cls_name, kwargs):
+    from _dist import run_ranks
+
+    cached, kinds = run_ranks(_train_two_ranks, 2, cls_name, kwargs, True)[0]
+    fresh, _ = run_ranks(_train_two_ranks, 2, cls_name, kwargs, False)[0]
+    assert len(kinds) >= 2, kinds  # the frozen-variance kinds were reached
     assert all(torch.equal(a, b) for a, b in zip(cached, fresh))

@@ -13,6 +13,7 @@ messages into DDP's gradient buckets during backward and hands the results back 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -123,6 +124,7 @@ class CompressedAdamBase(OptimizerBooks):
         finally:
             self._step_denominators = None
             self.variance_views.release()
+            self.variance_views.settle()
 
     def _step(self, kind: StepKind, loss: Any) -> Any:  # noqa: ANN401
         hook_done = self.communicated_step == self.schedule["step"]
@@ -204,8 +206,14 @@ class CompressedAdamBase(OptimizerBooks):
         def agree(flags: Tensor) -> Tensor:  # where no lane carried the flags
             return self.comm.allreduce_mean(flags) if self.comm.is_distributed else flags
 
+        def around_release(group: dict[str, Any], p: Tensor, release: Callable[[], None]) -> None:
+            # releasing rows writes into v: the error buffers' units change with it
+            held = self.messages.errors_to_gradient_units(group, [p])
+            release()
+            self.messages.errors_to_update_units(group, held, self._variance_correction(group))
+
         changed = _masks.release_masked_rows(
-            self.trainable_params(), lambda p: self.state[p], kind is StepKind.EXACT, agree
+            self.trainable_params(), lambda p: self.state[p], kind is StepKind.EXACT, agree, around_release
         )
         self.flat_cache.refresh_masks(changed)
 
@@ -228,7 +236,8 @@ class CompressedAdamBase(OptimizerBooks):
             states = [self.state[p] for p in params]
             if local:
                 grads = _masks.mask_local_gradients(states, grads, values)
-            errors_in = self.messages.units_before_variance_update(group, params) if kind is StepKind.EXACT else None
+            # v changes under the error buffers of earlier 1-bit steps: in gradient units meanwhile
+            in_gradient_units = self.messages.errors_to_gradient_units(group, params) if kind is StepKind.EXACT else []
             dens = F.adam_update(
                 params,
                 grads,
@@ -246,8 +255,8 @@ class CompressedAdamBase(OptimizerBooks):
             )
             if local:
                 _local_phase.note_local_step(states, dens, lr, c1, decay)
-            if errors_in is not None:  # v changed under the error buffers of earlier 1-bit steps
-                self.messages.keep_errors_through_variance_update(group, params, errors_in, c2)
+            if in_gradient_units:  # c2: the correction of the updated variance
+                self.messages.errors_to_update_units(group, in_gradient_units, c2)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As :meth:`torch.optim.Optimizer.zero_grad`; also forgets a hook's results never stepped on.

@@ -108,16 +108,18 @@ def kept_fraction(ratio: Tensor) -> Tensor:
     return torch.where(ratio > 1.0 - 1e-5, torch.ones_like(ratio), ratio)
 
 
-def sample_statistics(dens: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Per tensor, the mean of its denominators ``d`` and the count of its active elements (float32 vectors).
+def sample_statistics(dens: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Per tensor: the mean of its denominators ``d``, the count of its active elements, whether any is idle.
 
     An element is active when its ``d`` is at least :data:`IDLE_BELOW` of its tensor's mean (see
-    :func:`scale_samples`); the count is at least 1. Both stay while ``v`` does
-    (:class:`._variance_views.VarianceViews` keeps them).
+    :func:`scale_samples`). Returns float32 means, float32 counts (at least 1) and a boolean
+    vector (compared on the exact integer counts), all on the device: nothing is read on the
+    host. They stay while ``v`` does (:class:`._variance_views.VarianceViews` keeps them).
     """
     means = torch.stack([norm / max(d.numel(), 1) for norm, d in zip(torch._foreach_norm(list(dens), 1), dens)])
     counts = torch.stack([d.ge(floor).sum() for d, floor in zip(dens, (means * IDLE_BELOW).unbind())])
-    return means, counts.to(torch.float32).clamp_(min=1.0)
+    idle = counts < torch.tensor([d.numel() for d in dens], device=counts.device)
+    return means, counts.to(torch.float32).clamp_(min=1.0), idle
 
 
 def scale_samples(

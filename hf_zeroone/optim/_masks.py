@@ -172,6 +172,7 @@ def release_masked_rows(
     state_of,  # noqa: ANN001 - Tensor -> its state dict
     exact: bool,
     agree: Callable[[Tensor], Tensor],
+    around_release: Callable[[dict[str, Any], Tensor, Callable[[], None]], None] | None = None,
 ) -> set[int]:
     """Unmask the rows that received a gradient on any rank; returns the ``id`` of every changed parameter.
 
@@ -179,6 +180,8 @@ def release_masked_rows(
     step the ranks agreed in the exact lane of the step's collectives (``agreed_rows``, set by
     :meth:`~hf_zeroone.optim._messages.Messages.finish`); where a parameter has none, ``agree``
     averages every rank's activity flags (one float per masked row) across ranks.
+    ``around_release(group, p, release)``, if given, calls ``release()`` (which writes into ``v``)
+    with the caller's own work around it.
     """
     masked = [(g, p, state_of(p)) for g, p in trainable if "momentum_mask" in state_of(p)]
     if not masked:
@@ -207,6 +210,13 @@ def release_masked_rows(
             total, count = everywhere, 1
         if total == 0.0:
             continue
-        release_rows(state, released_rows, _user_mask(group, p), total / count)
+
+        def release(state=state, released_rows=released_rows, group=group, p=p, total=total, count=count) -> None:
+            release_rows(state, released_rows, _user_mask(group, p), total / count)
+
+        if around_release is None:
+            release()
+        else:  # the caller's work around the change of v (the error buffers' units)
+            around_release(group, p, release)
         changed.add(id(p))
     return changed

@@ -112,47 +112,42 @@ class Messages:
                 dens, stats = opt.plain_denominators(group, ps, c2)
                 F.to_update_units(os_, dens, stats.means)
 
-    def units_before_variance_update(
-        self, group: dict[str, Any], params: Sequence[Tensor]
-    ) -> tuple[list[Tensor], Tensor] | None:
-        """The update units ``(d, mean(d))`` of the error buffers of ``params`` before ``v`` changes (``None``: none).
-
-        Pass the result to :meth:`keep_errors_through_variance_update` after the update.
-        """
-        if not any("worker_error" in self.opt.state[p] for p in params):
-            return None
-        dens, stats = self.opt.plain_denominators(group, params, self.opt._variance_correction(group))
-        return dens, stats.means
-
-    def keep_errors_through_variance_update(
-        self, group: dict[str, Any], params: Sequence[Tensor], before: tuple[list[Tensor], Tensor], c2: float
-    ) -> None:
-        """Re-express each error buffer in the units of the updated variance (``c2``: its bias correction).
+    def errors_to_gradient_units(self, group: dict[str, Any], params: Sequence[Tensor]) -> list[Tensor]:
+        """Before ``v`` changes: each error buffer of ``params`` into gradient units, in place; the parameters with one.
 
         The worker and server errors are in units of the update, ``w = d / mean(d)`` of the ``v``
         they were made with (:func:`._functional.to_update_units`). 0/1 Adam updates ``v`` between
-        its 1-bit gradient steps; a buffer read in the new units would pay back ``e * w_new``, not
-        the ``e * w_old`` that was withheld, and error feedback would no longer sum to what the
-        exact steps would have applied. Each buffer becomes ``e * w_old / w_new``: the same error
-        in gradient space (``tests/test_zeroone_error_units.py``). On a diagnostic 2-layer GPT-2
-        without gradient clipping (200 steps, seeds 0-3) 0/1 Adam ended +3.2% above AdamW on
-        average without this, +2.0% with it; the suite's CLM sweep did not move.
+        its 1-bit gradient steps, and releasing masked rows writes into ``v`` too; a buffer read in
+        the new units would pay back ``e * w_new``, not the ``e * w_old`` that was withheld, and
+        error feedback would no longer sum to what the exact steps would have applied. So the
+        buffers go to gradient units (``e * w_old``) before the change and back
+        (:meth:`errors_to_update_units`) after it: the same error in gradient space
+        (``tests/test_zeroone_error_units.py``). One parameter at a time, so that no full-size
+        copy of the model is held. On a diagnostic 2-layer GPT-2 without gradient clipping (200
+        steps, seeds 0-3) 0/1 Adam ended +3.2% above AdamW on average without this, +2.0% with
+        it; the suite's CLM sweep did not move.
         """
-        old_dens, old_means = before
-        new_dens, new_stats = self.opt.plain_denominators(group, params, c2)
-        factors = [
-            F.unit_change(d_old, m_old, d_new, m_new)
-            for d_old, m_old, d_new, m_new in zip(old_dens, old_means.unbind(), new_dens, new_stats.means.unbind())
-        ]
-        for p, factor in zip(params, factors):
+        held = [p for p in params if "worker_error" in self.opt.state[p]]
+        self._convert_errors(group, held, F.from_update_units, self.opt._variance_correction(group))
+        return held
+
+    def errors_to_update_units(self, group: dict[str, Any], params: Sequence[Tensor], c2: float) -> None:
+        """After ``v`` changed: the buffers :meth:`errors_to_gradient_units` converted, back into update units.
+
+        ``c2``: the bias correction of the variance as it now stands.
+        """
+        self._convert_errors(group, params, F.to_update_units, c2)
+
+    def _convert_errors(self, group: dict[str, Any], params: Sequence[Tensor], convert, c2: float) -> None:  # noqa: ANN001
+        for p in params:
             state = self.opt.state[p]
-            if "worker_error" not in state:
-                continue
-            state["worker_error"].mul_(factor.view_as(state["worker_error"]))
+            (d,), stats = self.opt.plain_denominators(group, [p], c2)
+            convert([state["worker_error"]], [d.view_as(state["worker_error"])], stats.means)
             server = state.get("server_error")
             if server is not None and server.numel():
                 start = int(state.get("server_error_start", 0))
-                server.mul_(factor.reshape(-1)[start : start + server.numel()])
+                convert([server], [d.reshape(-1)[start : start + server.numel()]], stats.means)
+            self.opt.variance_views.release([p])
 
     def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
         """Samples of ``follow_gradient_scale`` from local gradients (:func:`._grad_scale.scale_samples`), in order."""
@@ -238,6 +233,7 @@ class Messages:
                     count = state["masked_rows_index"].numel()  # no host read of a device value
                     state["agreed_rows"] = _masks.scatter_flags(state, rest[:count])
                     rest = rest[count:]
+        opt.variance_views.release(params)  # this bucket's denominators: no full-size copy outlives it
 
     def undo_norm_proxy(self, p: Tensor, value: Tensor) -> Tensor:
         """The implied gradient back from what :meth:`finish` handed on (and clipping left).

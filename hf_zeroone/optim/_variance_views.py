@@ -46,8 +46,9 @@ def _version(t: Tensor) -> int | None:
 class SampleStatistics:
     """Per tensor of a list: its mean denominator, active count and whether any element is idle.
 
-    ``idle`` is ``None`` until the statistics are reused (reading it needs the counts on the host,
-    a GPU sync, worth paying only for a variance that stays); until then every tensor is masked.
+    ``idle`` is ``None`` until the end of a step that used the statistics and left ``v`` as it was
+    (:meth:`VarianceViews.settle` reads it on the host there, once per version of ``v``); until
+    then every tensor is masked. No hook reads the host.
     """
 
     def __init__(self, means: Tensor, counts: Tensor, idle: list[bool] | None) -> None:
@@ -55,11 +56,16 @@ class SampleStatistics:
 
 
 class VarianceViews:
-    """The denominators and sample statistics of each parameter's ``v``, while ``v`` is unchanged (see the module)."""
+    """The denominators and sample statistics of each parameter's ``v``, while ``v`` is unchanged (see the module).
+
+    The full-size denominators live from first use until :meth:`release` (at the end of a
+    bucket's messages, and of the step); the per-tensor statistics stay while ``v`` does.
+    """
 
     def __init__(self) -> None:
         self._dens: dict[int, tuple[Any, Tensor]] = {}
-        self._stats: dict[int, tuple[Any, Tensor, Tensor, bool | None]] = {}
+        #: id(p) -> [key, mean, count, idle on the device, idle read on the host or None]
+        self._stats: dict[int, list] = {}
 
     @staticmethod
     def _key(v: Tensor, c2: float, eps: float) -> tuple:
@@ -68,7 +74,7 @@ class VarianceViews:
     def denominators(
         self, params: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float
     ) -> list[Tensor]:
-        """``sqrt(v / c2) + eps`` of each parameter (float32), reused until ``v`` changes or the step ends."""
+        """``sqrt(v / c2) + eps`` of each parameter (float32), reused until ``v`` changes or they are released."""
         keys = [self._key(v, c2, eps) for v in exp_avg_sqs]
         missing = [i for i, (p, key) in enumerate(zip(params, keys)) if self._valid(self._dens, p, key) is None]
         if missing:
@@ -90,28 +96,39 @@ class VarianceViews:
         keys = [self._key(v, c2, eps) for v in exp_avg_sqs]
         entries = [self._valid(self._stats, p, key) for p, key in zip(params, keys)]
         if any(e is None for e in entries):
-            means, counts = sample_statistics(dens)
-            for p, key, mean, count in zip(params, keys, means.unbind(), counts.unbind()):
+            means, counts, idle = sample_statistics(dens)
+            for p, key, mean, count, flag in zip(params, keys, means.unbind(), counts.unbind(), idle.unbind()):
                 if key[1] is not None:
-                    self._stats[id(p)] = (key, mean, count, None)
+                    self._stats[id(p)] = [key, mean, count, flag, None]
             return dens, SampleStatistics(means, counts, None)
         means = torch.stack([e[1] for e in entries])
         counts = torch.stack([e[2] for e in entries])
-        if any(e[3] is None for e in entries):  # reused: worth one host read to skip the all-active tensors
-            idle = [count < d.numel() for count, d in zip(counts.tolist(), dens)]
-            for p, e, flag in zip(params, entries, idle):
-                self._stats[id(p)] = (*e[:3], flag)
-        else:
-            idle = [e[3] for e in entries]
-        return dens, SampleStatistics(means, counts, idle)
+        read = [e[4] for e in entries]
+        return dens, SampleStatistics(means, counts, None if any(f is None for f in read) else read)
+
+    def settle(self) -> None:
+        """At the end of a step: read on the host which tensors have idle elements, for the statistics still valid.
+
+        One host read, only when statistics were built this step and ``v`` did not change after
+        (a variance update leaves them stale: nothing to read); later steps then skip the mask
+        of every tensor with no idle element.
+        """
+        pending = [e for e in self._stats.values() if e[4] is None and e[0][1] == _version(e[0][0])]
+        if pending:
+            for e, flag in zip(pending, torch.stack([e[3] for e in pending]).tolist()):
+                e[4] = bool(flag)
 
     def held(self) -> list[Tensor]:
         """Every tensor held now (for :func:`._memory.state_bytes`): none full-size between steps."""
-        return [d for _, d in self._dens.values()] + [t for e in self._stats.values() for t in e[1:3]]
+        return [d for _, d in self._dens.values()] + [t for e in self._stats.values() for t in e[1:4]]
 
-    def release(self) -> None:
-        """Drop the full-size denominators (at the end of a step); the per-tensor statistics stay."""
-        self._dens.clear()
+    def release(self, params: Sequence[Tensor] | None = None) -> None:
+        """Drop the full-size denominators of ``params`` (default: all); the per-tensor statistics stay."""
+        if params is None:
+            self._dens.clear()
+            return
+        for p in params:
+            self._dens.pop(id(p), None)
 
     def clear(self) -> None:
         """Forget everything (a checkpoint was loaded)."""
@@ -119,7 +136,7 @@ class VarianceViews:
         self._stats.clear()
 
     @staticmethod
-    def _valid(table: dict[int, tuple], p: Tensor, key: tuple) -> tuple | None:
+    def _valid(table: dict[int, Any], p: Tensor, key: tuple) -> Any:  # noqa: ANN401
         entry = table.get(id(p))
         if entry is None or key[1] is None:
             return None

@@ -41,7 +41,6 @@ __all__ = [
     "momentum_messages",
     "norm_proxy_factors",
     "to_update_units",
-    "unit_change",
     "variance_bound",
 ]
 
@@ -157,11 +156,6 @@ def from_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: T
     values = list(values)
     torch._foreach_mul_(values, list(dens))
     torch._foreach_div_(values, list(means.unbind()))
-
-
-def unit_change(d_old: Tensor, mean_old: Tensor, d_new: Tensor, mean_new: Tensor) -> Tensor:
-    """``w_old / w_new`` per element, ``w = d / mean(d)``: takes a value from the old update units to the new."""
-    return (d_old * mean_new).div_(d_new * mean_old)
 
 
 def variance_bound(beta2: float) -> float:

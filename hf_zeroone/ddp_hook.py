@@ -5,7 +5,8 @@ bucket's gradients are ready, while backward goes on for earlier layers. This ho
 optimizer what the coming step needs (:meth:`~hf_zeroone.optim.CompressedAdamBase.prepare_step`)
 and, bucket by bucket:
 
-* ``EXACT``: averages the bucket in full precision (what DDP would have done);
+* ``EXACT``: averages the bucket in full precision (what DDP would have done), or in the
+  optimizer's ``exact_step_dtype``;
 * ``ONEBIT_GRADIENT`` / ``ONEBIT_MOMENTUM``: writes each parameter's message
   (:meth:`~hf_zeroone.optim.CompressedAdamBase.messages`: the gradient or the local
   momentum) into a flat buffer and starts the error-compensated 1-bit allreduce on it;
@@ -115,10 +116,7 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     if scale is not None:  # messages in unscaled units
         grads = [g.div(scale.to(device=g.device, dtype=g.dtype)) for g in grads]
     if kind is StepKind.EXACT:
-        lane = opt.messages.lane(kind, params, grads)
-        if lane is None:
-            return opt.comm.allreduce_mean_async(buffer)
-        return _exact_with_lane(opt, buffer, params, lane, scale)
+        return _exact(opt, buffer, params, opt.messages.lane(kind, params, grads), scale)
     flat = opt.flat_cache.get(params)
     message, n = flat.new_message(), flat.layout.numel
     message[n:].zero_()
@@ -145,22 +143,30 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     return fut.then(to_gradient)
 
 
-def _exact_with_lane(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: Tensor, scale: "Tensor | None"):  # noqa: ANN202
-    """Average the bucket in full precision, and its exact lane (the scale samples) in the same collective.
+def _exact(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: "Tensor | None", scale: "Tensor | None"):  # noqa: ANN202
+    """Average the bucket (in ``exact_step_dtype`` when one is set) and its exact lane, the scale samples.
 
     The samples of the local gradients and of the averaged ones measure the noise excess of local
-    gradients (:mod:`hf_zeroone.optim._grad_scale`).
+    gradients (:mod:`hf_zeroone.optim._grad_scale`). A lane is averaged in the same collective
+    when the message is fp32, in a second one otherwise (:meth:`~hf_zeroone.comm.Communicator.allreduce_mean_async`).
     """
-    fut = opt.comm.allreduce_mean_async(buffer, lane)
+    dtype = opt.exact_step_dtype
+    message = buffer if dtype is None or dtype == buffer.dtype else buffer.to(dtype)
+    fut = opt.comm.allreduce_mean_async(message, lane)
+    if message is buffer and lane is None:
+        return fut
 
     def record(f: torch.futures.Future) -> Tensor:
         averaged = f.wait()
-        views, offset = [], 0
-        for p in params:
-            views.append(averaged[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        opt.messages.finish(StepKind.EXACT, params, views, lane, loss_scale=scale)
-        return averaged
+        if averaged is not buffer:
+            buffer.copy_(averaged)  # what step() applies: the rounded average, in the bucket's dtype
+        if lane is not None:
+            views, offset = [], 0
+            for p in params:
+                views.append(buffer[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            opt.messages.finish(StepKind.EXACT, params, views, lane, loss_scale=scale)
+        return buffer
 
     return fut.then(record)
 

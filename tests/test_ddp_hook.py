@@ -23,8 +23,11 @@ def _opt(name, params, **kw):
     )
 
 
-def _equivalence(rank, world):
-    """Single bucket: hook path == optimizer path, bit for bit; exact phase == DDP without hook."""
+def _equivalence(rank, world, extra=None):
+    """Single bucket: hook path == optimizer path, bit for bit; exact phase == DDP without hook.
+
+    ``extra``: keyword arguments for both optimizers (e.g. ``exact_step_dtype``).
+    """
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -38,10 +41,10 @@ def _equivalence(rank, world):
         ma = make_model()
         ddp = DDP(ma, bucket_cap_mb=100)
         # DDP's single bucket holds the parameters in reverse order: give the optimizer path the same.
-        oa = _opt(name, list(ddp.parameters())[::-1])
+        oa = _opt(name, list(ddp.parameters())[::-1], **(extra or {}))
         register_zeroone_hook(ddp, oa)
         mb = make_model()
-        ob = _opt(name, list(mb.parameters())[::-1])
+        ob = _opt(name, list(mb.parameters())[::-1], **(extra or {}))
         diffs, kinds, stats = [], [], []
         for x, y in data:
             oa.zero_grad()
@@ -60,6 +63,8 @@ def _equivalence(rank, world):
             "numel": sum(p.numel() for p in ma.parameters()),
         }
 
+    if extra:
+        return out
     # Exact phase: gradients after the hook equal those of DDP without a hook.
     m1, m2 = make_model(), make_model()
     d1, d2 = DDP(m1), DDP(m2)
@@ -288,3 +293,33 @@ def test_compressed_steps_do_not_depend_on_the_loss_scale():
         assert kind in runs[0][0][name][0]
         for res in runs:  # scaling by powers of two is exact, so the runs agree bit for bit
             assert torch.equal(res[0][name][1], reference) and torch.equal(res[1][name][1], reference), name
+
+
+@pytest.fixture(scope="module")
+def equivalence_bf16():
+    return run_ranks(_equivalence, 2, {"exact_step_dtype": "bfloat16"}, timeout=200)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["onebit", "zeroone"])
+def test_bf16_exact_steps_hook_equals_step_and_halve_the_bytes(equivalence_bf16, equivalence, name):
+    """exact_step_dtype=bfloat16: both paths still agree bit for bit; an exact step sends half the bytes.
+
+    The scale samples of follow_gradient_scale (one float per tensor) stay fp32, in a second
+    collective; the compressed steps are unchanged.
+    """
+    from hf_zeroone.comm import fp32_allreduce_bytes
+
+    res, fp32 = equivalence_bf16[0][name], equivalence[0][name]
+    assert all(res["equal"]), res["equal"]
+    assert res["kinds"] == fp32["kinds"]
+    n = res["numel"]
+    exact = [s for k, s in zip(res["kinds"], res["stats"]) if k == "exact"]
+    assert exact
+    for stats in exact:
+        assert stats["bytes_sent"] == fp32_allreduce_bytes(n, 2, 2) + fp32_allreduce_bytes(6, 2)
+        assert stats["fp32_equivalent_bytes"] == fp32_allreduce_bytes(n + 6, 2)
+        assert stats["collectives"] == 2
+    for kind, stats, before in zip(res["kinds"], res["stats"], fp32["stats"]):
+        if kind != "exact":
+            assert stats["bytes_sent"] == before["bytes_sent"] and stats["collectives"] == before["collectives"]

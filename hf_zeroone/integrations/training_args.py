@@ -106,6 +106,14 @@ class ZeroOneArgumentsMixin:
         default=None,
         metadata={"help": "0/1 Adam: first steps with exact (fp32) communication (default: the LR warm-up)."},
     )
+    exact_step_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "Precision of the exact steps' gradient average (1-bit Adam's warm-up, 0/1 Adam's exact and "
+            "variance steps): 'bfloat16' halves their bytes, most of a run's; default: full precision.",
+            "choices": [None, "float32", "bfloat16"],
+        },
+    )
     onebit_bias_correction: bool = field(
         default=True,
         metadata={"help": "Adam bias correction (False reproduces DeepSpeed, which has none)."},
@@ -236,6 +244,7 @@ def build_optimizer(
         bias_correction=args.onebit_bias_correction,
         check_replicas_every=args.check_replicas_every,
         communicator=communicator,
+        exact_step_dtype=args.exact_step_dtype,
     )
     return _CLASSES[args.optim_compression](groups, **common, **args.compression_kwargs())
 

@@ -72,6 +72,13 @@ class CompressedAdamBase(OptimizerBooks):
             gradient that outgrew it (a token first seen after the freeze), and such an element
             would step thousands of learning rates, and, compressed, spread that to its neighbours.
             ``False`` is the papers' and DeepSpeed's maths.
+        exact_step_dtype: the precision in which exact steps (1-bit Adam's warm-up, 0/1 Adam's
+            exact warm-up and variance steps) average the gradients. ``None`` (default): full
+            precision (fp32; a DDP bucket's own dtype in the hook). ``torch.bfloat16`` (or
+            ``"bfloat16"``) halves their bytes, most of what either optimizer sends in a run, as
+            DDP's ``bf16_compress_hook`` does for plain DDP: each gradient is rounded to 8 bits
+            of mantissa before the average. Their exact lane (the samples of
+            ``follow_gradient_scale``) stays fp32, in a second collective.
 
     With no process group, or a world size of 1, the optimizer communicates nothing and runs Adam
     with the same schedule (so it can be used and tested in a single process).

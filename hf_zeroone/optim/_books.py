@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
@@ -23,7 +24,13 @@ from hf_zeroone.optim._flat import FlatBufferCache
 from hf_zeroone.optim._functional import by_group
 from hf_zeroone.optim._grad_scale import GradientScale
 from hf_zeroone.optim._messages import Messages
-from hf_zeroone.optim._step_kind import StepKind, _check_int, check_adam_arguments, check_param_group
+from hf_zeroone.optim._step_kind import (
+    StepKind,
+    _check_int,
+    check_adam_arguments,
+    check_exact_step_dtype,
+    check_param_group,
+)
 from hf_zeroone.optim._variance_views import SampleStatistics, VarianceViews
 
 __all__ = ["UNSET_FREEZE_STEP", "OptimizerBooks"]
@@ -59,8 +66,11 @@ class OptimizerBooks(Optimizer):
         check_replicas_every: int = 0,
         follow_gradient_scale: bool = True,
         clip_to_variance: bool = True,
+        exact_step_dtype: torch.dtype | str | None = None,
     ) -> None:
         _check_int("check_replicas_every", check_replicas_every, 0)
+        #: what exact steps send their gradients in (None: fp32 in step(), the bucket's dtype in the hook)
+        self.exact_step_dtype = check_exact_step_dtype(exact_step_dtype)
         check_adam_arguments(lr, betas, eps, weight_decay)
         defaults = dict(
             lr=float(lr),

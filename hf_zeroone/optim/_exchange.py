@@ -44,7 +44,8 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
             message, views = flat.new_message(), flat.views
             message[flat.layout.numel :].zero_()
         else:
-            message = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+            dtype = opt.exact_step_dtype or torch.float32
+            message = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
             views = functools.partial(consecutive_views, params)
         opt.messages.write(kind, params, grads, views(message))
         lane = opt.messages.lane(kind, params, grads)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import torch
 from torch import Tensor
 
 __all__ = ["StepKind"]
@@ -81,6 +82,23 @@ def check_adam_arguments(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> No
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+
+
+#: the dtypes an exact step may send its gradients in (``exact_step_dtype``), by name
+EXACT_STEP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check_exact_step_dtype(value: Any) -> torch.dtype | None:  # noqa: ANN401
+    """``exact_step_dtype`` as a ``torch.dtype`` (``None`` kept), or ``ValueError`` naming the choices."""
+    if value is None:
+        return None
+    dtype = EXACT_STEP_DTYPES.get(value.removeprefix("torch.")) if isinstance(value, str) else value
+    if dtype not in EXACT_STEP_DTYPES.values():
+        raise ValueError(
+            f"exact_step_dtype must be torch.float32 or torch.bfloat16 (or their names, or None for the "
+            f"gradients' own precision), got {value!r}; float16 is refused: an fp16 sum of gradients can overflow"
+        )
+    return dtype
 
 
 def check_param_group(group: dict[str, Any], owner: str) -> None:

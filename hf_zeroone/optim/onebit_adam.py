@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -59,7 +60,8 @@ class OneBitAdam(CompressedAdamBase):
             call; until it is called, DeepSpeed's 100000 (no compression in a shorter run), with a
             warning at the first step of a distributed run.
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
-        communicator, check_replicas_every, follow_gradient_scale, clip_to_variance: see
+        communicator, check_replicas_every, follow_gradient_scale, clip_to_variance,
+        exact_step_dtype: see
             :class:`~hf_zeroone.optim.CompressedAdamBase`.
 
     Example::
@@ -94,6 +96,7 @@ class OneBitAdam(CompressedAdamBase):
         check_replicas_every: int = 0,
         follow_gradient_scale: bool = True,
         clip_to_variance: bool = True,
+        exact_step_dtype: torch.dtype | str | None = None,
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:
@@ -121,6 +124,7 @@ class OneBitAdam(CompressedAdamBase):
             check_replicas_every=check_replicas_every,
             follow_gradient_scale=follow_gradient_scale,
             clip_to_variance=clip_to_variance,
+            exact_step_dtype=exact_step_dtype,
         )
 
     def _derive_schedule(self, num_training_steps: int, warmup_steps: int) -> None:

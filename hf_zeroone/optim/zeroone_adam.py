@@ -109,7 +109,8 @@ class ZeroOneAdam(CompressedAdamBase):
             batches it diverged late in the local phase while exact warm-up tracked AdamW
             (``docs/benchmark.md``).
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
-        communicator, check_replicas_every, follow_gradient_scale, clip_to_variance: see
+        communicator, check_replicas_every, follow_gradient_scale, clip_to_variance,
+        exact_step_dtype: see
             :class:`~hf_zeroone.optim.CompressedAdamBase`.
     """
 
@@ -142,6 +143,7 @@ class ZeroOneAdam(CompressedAdamBase):
         check_replicas_every: int = 0,
         follow_gradient_scale: bool = True,
         clip_to_variance: bool = True,
+        exact_step_dtype: torch.dtype | str | None = None,
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:
@@ -185,6 +187,7 @@ class ZeroOneAdam(CompressedAdamBase):
             check_replicas_every=check_replicas_every,
             follow_gradient_scale=follow_gradient_scale,
             clip_to_variance=clip_to_variance,
+            exact_step_dtype=exact_step_dtype,
         )
 
     def _derive_schedule(self, num_training_steps: int, warmup_steps: int) -> None:

@@ -1,0 +1,59 @@
+"""``exact_step_dtype``: its checks, and the Trainer flag that sets it.
+
+What it does on 2 ranks (half the bytes of an exact step, the hook and ``step()`` bit-identical,
+the same final loss) is tested in ``test_ddp_hook.py`` and ``test_convergence_defaults.py``.
+"""
+
+import pytest
+import torch
+
+from hf_zeroone import OneBitAdam, ZeroOneAdam
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [(None, None), (torch.float32, torch.float32), ("bfloat16", torch.bfloat16), ("torch.bfloat16", torch.bfloat16)],
+)
+def test_accepted_values(cls, given, expected):
+    opt = cls([torch.nn.Parameter(torch.zeros(3))], exact_step_dtype=given)
+    assert opt.exact_step_dtype == expected
+
+
+@pytest.mark.parametrize("bad", [torch.float16, "fp16", "bf16", torch.int8, 16])
+def test_other_values_are_refused_with_the_choices(bad):
+    with pytest.raises(ValueError, match=r"torch\.float32 or torch\.bfloat16"):
+        OneBitAdam([torch.nn.Parameter(torch.zeros(3))], exact_step_dtype=bad)
+
+
+def test_one_process_sends_nothing_and_steps_as_before():
+    """Without communication the option changes nothing: the same parameters, bit for bit."""
+    out = []
+    for dtype in (None, "bfloat16"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = ZeroOneAdam(model.parameters(), lr=1e-2, exact_step_dtype=dtype)
+        opt.set_run_length(30, 3)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(30):
+            opt.zero_grad()
+            model(torch.randn(16, 8, generator=gen)).square().mean().backward()
+            opt.step()
+        out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    assert torch.equal(out[0], out[1])
+
+
+def test_the_trainer_flag_reaches_the_optimizer(tmp_path):
+    from transformers import HfArgumentParser
+
+    from hf_zeroone.integrations.training_args import ZeroOneTrainingArguments, build_optimizer
+
+    (args,) = HfArgumentParser(ZeroOneTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--optim_compression", "zeroone_adam", "--exact_step_dtype", "bfloat16"]
+    )
+    opt = build_optimizer(args, [{"params": [torch.nn.Parameter(torch.zeros(2))]}])
+    assert opt.exact_step_dtype == torch.bfloat16
+    with pytest.raises(SystemExit):  # argparse names the choices
+        HfArgumentParser(ZeroOneTrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--exact_step_dtype", "float16"]
+        )

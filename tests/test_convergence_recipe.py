@@ -180,3 +180,26 @@ def test_finetune_head_is_seeded():
     other = convergence_finetune.pretrained_classifier(labels, seed=1)
     assert torch.equal(first.classifier.weight, again.classifier.weight)
     assert not torch.equal(first.classifier.weight, other.classifier.weight)
+
+
+def test_a_moved_output_directory_keeps_its_runs(tmp_path, monkeypatch):
+    """A run whose saved spec differs only in where the output directory lies is not run again."""
+    sys.path.insert(0, str(RECIPES))
+    from suite import launch
+
+    old = {"workload": "clm", "optimizer": "adamw", "lr": 1e-3}
+    old.update(run_dir="/elsewhere/runs/clm/a", data_dir="/elsewhere/data/lm_1_2_3")
+    run_dir = tmp_path / "runs" / "clm" / "a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "spec.json").write_text(json.dumps(old))
+    (run_dir / "result.json").write_text(json.dumps({"metric": 4.2}))
+    spec = dict(old, run_dir=str(run_dir), data_dir=str(tmp_path / "data" / "lm_1_2_3"))
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("the run was launched again")
+
+    monkeypatch.setattr(launch, "launch", no_launch)
+    assert launch.run(spec, 2, 60, "clm", resume=True) == {"metric": 4.2}
+    # anything else that differs (here the data's parameters, or the learning rate) runs again
+    assert not launch.same_run(old, dict(spec, data_dir=str(tmp_path / "data" / "lm_9_2_3")))
+    assert not launch.same_run(old, dict(spec, lr=2e-3))

@@ -79,16 +79,33 @@ def code_version() -> str:
     return head.stdout.strip() + (f" + uncommitted changes in {changed} hf_zeroone file(s)" if changed else "")
 
 
+def same_run(saved: dict, spec: dict) -> bool:
+    """Whether a saved spec describes the run ``spec`` asks for, wherever the output directory now lies.
+
+    The run directory is left out and the data directory compared by its name (which names what
+    was generated), so that a copied or moved output directory keeps its runs.
+    """
+
+    def where_free(s: dict) -> dict:
+        out = {k: v for k, v in s.items() if k != "run_dir"}
+        if "data_dir" in out:
+            out["data_dir"] = Path(out["data_dir"]).name
+        return out
+
+    return where_free(saved) == where_free(spec)
+
+
 def run(spec: dict, nproc: int, timeout: float, desc: str, resume: bool = False) -> dict:
     """``launch`` with a progress bar; a failure's log tail goes to stderr.
 
-    ``resume``: a run directory that already holds this very spec and its result is not run again.
+    ``resume``: a run directory that already holds this spec (:func:`same_run`) and its result is
+    not run again.
     """
     from tqdm.auto import tqdm
 
     run_dir = Path(spec["run_dir"])
     if resume and (run_dir / "result.json").exists() and (run_dir / "spec.json").exists():
-        if json.loads((run_dir / "spec.json").read_text()) == spec:
+        if same_run(json.loads((run_dir / "spec.json").read_text()), spec):
             return json.loads((run_dir / "result.json").read_text())
 
     with tqdm(desc=f"{desc}/{spec['optimizer']}", unit="step", leave=True, mininterval=2.0) as bar:

@@ -233,16 +233,18 @@ class Communicator:
 
     # ------------------------------------------------------------------ exact allreduce
     def allreduce_mean_async(self, tensor: Tensor, exact: Tensor | None = None) -> torch.futures.Future:
-        """Average ``tensor`` over ranks in place (full precision); the future yields ``tensor``.
+        """Average ``tensor`` over ranks in place, in its own dtype; the future yields ``tensor``.
 
-        ``exact``: an exact lane (float32, flat), averaged in place in the same collective when
-        ``tensor`` is float32 too (in a second one otherwise: a lane of norms must not overflow fp16).
+        ``exact``: a lane of float32 values (flat), averaged in place in the same collective when
+        ``tensor`` has float32's range: in float32, or rounded to bfloat16 like the ``tensor`` it
+        rides with (an exact step sent in bf16, ``exact_step_dtype``). Beside a float16 tensor
+        it goes in a second collective, in float32: a lane of norms must not overflow fp16.
         """
         if not self.is_distributed:
             return self._submit(lambda: tensor)
         if not tensor.is_contiguous():
             raise ValueError("allreduce_mean_async needs a contiguous tensor (gloo is wrong on views)")
-        if exact is not None and tensor.dtype != exact.dtype:
+        if exact is not None and tensor.dtype not in (exact.dtype, torch.bfloat16):
             self.allreduce_mean_async(exact)
             exact = None
         n, lane = tensor.numel(), 0 if exact is None else exact.numel()
@@ -253,7 +255,7 @@ class Communicator:
         coll, world = self._coll, self.world_size
 
         def job() -> Tensor:
-            both = tensor if exact is None else torch.cat([tensor.reshape(-1), exact.reshape(-1)])
+            both = tensor if exact is None else torch.cat([tensor.reshape(-1), exact.reshape(-1).to(tensor.dtype)])
             both.div_(world)  # before the sum, as DDP does: an fp16 sum of P values could overflow
             coll.all_reduce_sum(both)
             if exact is not None:

@@ -147,8 +147,8 @@ def _exact(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: "Tensor 
     """Average the bucket (in ``exact_step_dtype`` when one is set) and its exact lane, the scale samples.
 
     The samples of the local gradients and of the averaged ones measure the noise excess of local
-    gradients (:mod:`hf_zeroone.optim._grad_scale`). A lane is averaged in the same collective
-    when the message is fp32, in a second one otherwise (:meth:`~hf_zeroone.comm.Communicator.allreduce_mean_async`).
+    gradients (:mod:`hf_zeroone.optim._grad_scale`); they ride in the message's collective
+    (:meth:`~hf_zeroone.comm.Communicator.allreduce_mean_async`).
     """
     dtype = opt.exact_step_dtype
     message = buffer if dtype is None or dtype == buffer.dtype else buffer.to(dtype)

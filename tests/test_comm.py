@@ -100,6 +100,16 @@ def _comm_checks(rank, world, sizes):
     out["inflight"] = [f.wait() for f in futs]
     out["exact_mean"] = exact.wait()
 
+    # An exact allreduce with a lane of float32 values beside tensors of each dtype.
+    lanes = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        before = comm.stats.copy()
+        lane = torch.tensor([1.0 + rank, 1e-3 * (rank + 1), 3.14159 + rank])
+        tensor = torch.full((8,), float(rank + 1), dtype=dtype)
+        comm.allreduce_mean(tensor, lane)
+        lanes[str(dtype)] = (tensor.float(), lane.clone(), (comm.stats - before).as_dict())
+    out["lanes"] = lanes
+
     # Empty input: nothing sent.
     before = comm.stats.copy()
     layout = ChunkLayout.from_mask(0, world)
@@ -195,6 +205,28 @@ def test_matches_a_plain_reference_implementation(world_results):
     exact = sum(r["ref_inputs"] for r in res) / world
     assert (outputs[:, :n] * keep).abs().sum() > 0
     assert not torch.allclose(outputs[:, :n] * keep, exact * keep, atol=1e-2)
+
+
+def test_a_lane_rides_with_a_tensor_of_float32_range(world_results):
+    """fp32 and bf16 tensors carry the lane in their one collective (bf16: rounded like them); fp16 in a second."""
+    from hf_zeroone.comm import fp32_allreduce_bytes
+
+    world, res = world_results
+    expected = torch.tensor([1.0 + (world - 1) / 2, 1e-3 * (world + 1) / 2, 3.14159 + (world - 1) / 2])
+    for dtype, (tensor, lane, stats) in res[0]["lanes"].items():
+        tol = {"torch.float32": 1e-6, "torch.bfloat16": 1e-2, "torch.float16": 1e-3}[dtype]  # bits of mantissa
+        assert torch.allclose(tensor, torch.full((8,), (world + 1) / 2), rtol=tol, atol=0), dtype
+        if dtype == "torch.float16":
+            assert stats["collectives"] == 2
+            assert stats["bytes_sent"] == fp32_allreduce_bytes(8, world, 2) + fp32_allreduce_bytes(3, world)
+        else:
+            size = 4 if dtype == "torch.float32" else 2
+            assert stats["collectives"] == 1
+            assert stats["bytes_sent"] == fp32_allreduce_bytes(8 + 3, world, size)
+        lane_tol = 1e-2 if dtype == "torch.bfloat16" else 1e-6  # the lane is fp32 but beside bf16
+        assert torch.allclose(lane, expected, rtol=lane_tol, atol=0), (dtype, lane, expected)
+        for r in res[1:]:
+            assert torch.equal(r["lanes"][dtype][1], lane), dtype
 
 
 def test_exact_allreduce_is_the_mean(world_results):

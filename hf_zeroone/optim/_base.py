@@ -77,8 +77,8 @@ class CompressedAdamBase(OptimizerBooks):
             precision (fp32; a DDP bucket's own dtype in the hook). ``torch.bfloat16`` (or
             ``"bfloat16"``) halves their bytes, most of what either optimizer sends in a run, as
             DDP's ``bf16_compress_hook`` does for plain DDP: each gradient is rounded to 8 bits
-            of mantissa before the average. Their exact lane (the samples of
-            ``follow_gradient_scale``) stays fp32, in a second collective.
+            of mantissa before the average. The samples of ``follow_gradient_scale`` that ride
+            with them are rounded to bf16 too; compressed steps are unchanged.
 
     With no process group, or a world size of 1, the optimizer communicates nothing and runs Adam
     with the same schedule (so it can be used and tested in a single process).

@@ -232,19 +232,23 @@ class Communicator:
             self._closed = True
 
     # ------------------------------------------------------------------ exact allreduce
-    def allreduce_mean_async(self, tensor: Tensor, exact: Tensor | None = None) -> torch.futures.Future:
+    def allreduce_mean_async(
+        self, tensor: Tensor, exact: Tensor | None = None, lane_in_bf16: bool = False
+    ) -> torch.futures.Future:
         """Average ``tensor`` over ranks in place, in its own dtype; the future yields ``tensor``.
 
         ``exact``: a lane of float32 values (flat), averaged in place in the same collective when
-        ``tensor`` has float32's range: in float32, or rounded to bfloat16 like the ``tensor`` it
-        rides with (an exact step sent in bf16, ``exact_step_dtype``). Beside a float16 tensor
-        it goes in a second collective, in float32: a lane of norms must not overflow fp16.
+        ``tensor`` is float32 too; beside a tensor of another dtype it goes in a second
+        collective, in float32 (a lane of norms must not overflow fp16). ``lane_in_bf16``: beside
+        a bfloat16 tensor, the lane rides in its collective rounded to bf16 instead (an exact step
+        sent in bf16 because the optimizer's ``exact_step_dtype`` asks for it).
         """
         if not self.is_distributed:
             return self._submit(lambda: tensor)
         if not tensor.is_contiguous():
             raise ValueError("allreduce_mean_async needs a contiguous tensor (gloo is wrong on views)")
-        if exact is not None and tensor.dtype not in (exact.dtype, torch.bfloat16):
+        rides_in_bf16 = lane_in_bf16 and tensor.dtype == torch.bfloat16
+        if exact is not None and tensor.dtype != exact.dtype and not rides_in_bf16:
             self.allreduce_mean_async(exact)
             exact = None
         n, lane = tensor.numel(), 0 if exact is None else exact.numel()
@@ -265,9 +269,9 @@ class Communicator:
 
         return self._submit(job, (tensor,) if exact is None else (tensor, exact))
 
-    def allreduce_mean(self, tensor: Tensor, exact: Tensor | None = None) -> Tensor:
+    def allreduce_mean(self, tensor: Tensor, exact: Tensor | None = None, lane_in_bf16: bool = False) -> Tensor:
         """Blocking form of :meth:`allreduce_mean_async`."""
-        return self.allreduce_mean_async(tensor, exact).wait()
+        return self.allreduce_mean_async(tensor, exact, lane_in_bf16).wait()
 
     # ------------------------------------------------------------------ consistency
     def assert_identical(self, tensors: list[Tensor], what: str = "parameters") -> None:

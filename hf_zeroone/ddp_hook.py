@@ -151,8 +151,10 @@ def _exact(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: "Tensor 
     (:meth:`~hf_zeroone.comm.Communicator.allreduce_mean_async`).
     """
     dtype = opt.exact_step_dtype
-    message = buffer if dtype is None or dtype == buffer.dtype else buffer.to(dtype)
-    fut = opt.comm.allreduce_mean_async(message, lane)
+    # fp32 buckets only (fp16 and bf16 ones go as they are), and only when something is sent
+    convert = dtype is not None and buffer.dtype == torch.float32 and opt.comm.is_distributed
+    message = buffer.to(dtype) if convert and dtype != buffer.dtype else buffer
+    fut = opt.comm.allreduce_mean_async(message, lane, lane_in_bf16=dtype is torch.bfloat16)
     if message is buffer and lane is None:
         return fut
 

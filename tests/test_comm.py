@@ -102,12 +102,13 @@ def _comm_checks(rank, world, sizes):
 
     # An exact allreduce with a lane of float32 values beside tensors of each dtype.
     lanes = {}
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    cases = ((torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True))
+    for dtype, in_bf16 in cases:
         before = comm.stats.copy()
         lane = torch.tensor([1.0 + rank, 1e-3 * (rank + 1), 3.14159 + rank])
         tensor = torch.full((8,), float(rank + 1), dtype=dtype)
-        comm.allreduce_mean(tensor, lane)
-        lanes[str(dtype)] = (tensor.float(), lane.clone(), (comm.stats - before).as_dict())
+        comm.allreduce_mean(tensor, lane, lane_in_bf16=in_bf16)
+        lanes[f"{dtype} {in_bf16}"] = (tensor.float(), lane.clone(), (comm.stats - before).as_dict())
     out["lanes"] = lanes
 
     # Empty input: nothing sent.
@@ -207,26 +208,27 @@ def test_matches_a_plain_reference_implementation(world_results):
     assert not torch.allclose(outputs[:, :n] * keep, exact * keep, atol=1e-2)
 
 
-def test_a_lane_rides_with_a_tensor_of_float32_range(world_results):
-    """fp32 and bf16 tensors carry the lane in their one collective (bf16: rounded like them); fp16 in a second."""
+def test_a_lane_rides_with_an_fp32_tensor_or_asked_in_bf16(world_results):
+    """fp32 tensors carry the lane in their collective; bf16 ones only when asked (rounded like them), else a second."""
     from hf_zeroone.comm import fp32_allreduce_bytes
 
     world, res = world_results
     expected = torch.tensor([1.0 + (world - 1) / 2, 1e-3 * (world + 1) / 2, 3.14159 + (world - 1) / 2])
-    for dtype, (tensor, lane, stats) in res[0]["lanes"].items():
+    for key, (tensor, lane, stats) in res[0]["lanes"].items():
+        dtype = key.split()[0]
         tol = {"torch.float32": 1e-6, "torch.bfloat16": 1e-2, "torch.float16": 1e-3}[dtype]  # bits of mantissa
-        assert torch.allclose(tensor, torch.full((8,), (world + 1) / 2), rtol=tol, atol=0), dtype
-        if dtype == "torch.float16":
-            assert stats["collectives"] == 2
-            assert stats["bytes_sent"] == fp32_allreduce_bytes(8, world, 2) + fp32_allreduce_bytes(3, world)
-        else:
-            size = 4 if dtype == "torch.float32" else 2
-            assert stats["collectives"] == 1
-            assert stats["bytes_sent"] == fp32_allreduce_bytes(8 + 3, world, size)
-        lane_tol = 1e-2 if dtype == "torch.bfloat16" else 1e-6  # the lane is fp32 but beside bf16
-        assert torch.allclose(lane, expected, rtol=lane_tol, atol=0), (dtype, lane, expected)
+        assert torch.allclose(tensor, torch.full((8,), (world + 1) / 2), rtol=tol, atol=0), key
+        size = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}[dtype]
+        if key in ("torch.float32 False", "torch.bfloat16 True"):
+            assert stats["collectives"] == 1, key
+            assert stats["bytes_sent"] == fp32_allreduce_bytes(8 + 3, world, size), key
+        else:  # the lane in a second collective, in fp32
+            assert stats["collectives"] == 2, key
+            assert stats["bytes_sent"] == fp32_allreduce_bytes(8, world, size) + fp32_allreduce_bytes(3, world), key
+        lane_tol = 1e-2 if key == "torch.bfloat16 True" else 1e-6
+        assert torch.allclose(lane, expected, rtol=lane_tol, atol=0), (key, lane, expected)
         for r in res[1:]:
-            assert torch.equal(r["lanes"][dtype][1], lane), dtype
+            assert torch.equal(r["lanes"][key][1], lane), key
 
 
 def test_exact_allreduce_is_the_mean(world_results):

@@ -44,7 +44,9 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
             message, views = flat.new_message(), flat.views
             message[flat.layout.numel :].zero_()
         else:
-            dtype = opt.exact_step_dtype or torch.float32
+            # as the hook sends a bucket: in exact_step_dtype unless a gradient is fp16
+            low = any(p.dtype == torch.float16 for p in params)
+            dtype = opt.exact_step_dtype if opt.exact_step_dtype is not None and not low else torch.float32
             message = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
             views = functools.partial(consecutive_views, params)
         opt.messages.write(kind, params, grads, views(message))
@@ -52,7 +54,7 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
         if kind.compressed:
             combined = opt.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout, lane)
         else:
-            combined = opt.comm.allreduce_mean(message, lane)
+            combined = opt.comm.allreduce_mean(message, lane, lane_in_bf16=opt.exact_step_dtype is torch.bfloat16)
         del message  # the compressed allreduce's scratch: freed before the next bucket
         combined_views = views(combined)
         opt.messages.finish(kind, params, combined_views, lane)

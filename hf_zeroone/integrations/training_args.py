@@ -104,7 +104,7 @@ class ZeroOneArgumentsMixin:
     )
     exact_warmup_steps: int | None = field(
         default=None,
-        metadata={"help": "0/1 Adam: first steps with exact (fp32) communication (default: the LR warm-up)."},
+        metadata={"help": "0/1 Adam: first steps with exact (uncompressed) communication (default: the LR warm-up)."},
     )
     exact_step_dtype: str | None = field(
         default=None,

@@ -42,10 +42,10 @@ class ZeroOneArgumentsMixin:
     optimizer steps and its LR warm-up ``W`` (the number of warm-up steps the LR scheduler uses;
     10% of the training steps when there is no warm-up) by the optimizer's ``set_run_length``:
     ``freeze_step = recommended_freeze_step(T, W)`` (the later of ``W`` and 30% of the run) for
-    1-bit Adam; ``exact_warmup_steps = W`` and ``var_freeze_step = recommended_freeze_step(T, 2 W)``
-    for 0/1 Adam, whose ``local_step_scaler`` and ``local_step_clipper`` come from
-    ``recommended_local_steps`` (the largest sync gap 16 but at most a sixteenth of the local
-    phase, reached a quarter of the way into it).
+    1-bit Adam; ``var_freeze_step = recommended_freeze_step(T, 2 W)`` for 0/1 Adam (every step
+    before it exact unless ``exact_warmup_steps`` says otherwise), whose ``local_step_scaler`` and
+    ``local_step_clipper`` come from ``recommended_local_steps`` (the largest sync gap 16 but at
+    most a thirty-second of the local phase, reached a quarter of the way into it).
 
     ``warmup_ratio`` works on every supported transformers version: 4.x has the field; on 5.x,
     which dropped it (there a ``warmup_steps`` below 1 is a ratio), this class adds it and passes
@@ -99,19 +99,22 @@ class ZeroOneArgumentsMixin:
         default=None,
         metadata={
             "help": "0/1 Adam: largest gap between syncs in the local phase (default: 16, the paper's H, but at "
-            "most a sixteenth of the local phase, so that short runs still sync often)."
+            "most a thirty-second of the local phase, so that short runs still sync often)."
         },
     )
     exact_warmup_steps: int | None = field(
         default=None,
-        metadata={"help": "0/1 Adam: first steps with exact (uncompressed) communication (default: the LR warm-up)."},
-    )
-    exact_step_dtype: str | None = field(
-        default=None,
         metadata={
-            "help": "Precision of the exact steps' gradient average (1-bit Adam's warm-up, 0/1 Adam's exact and "
-            "variance steps): 'bfloat16' halves their bytes, most of a run's; default: full precision.",
-            "choices": [None, "float32", "bfloat16"],
+            "help": "0/1 Adam: first steps with exact (uncompressed) communication (default: all steps before "
+            "var_freeze_step; 0: the paper's schedule, 1-bit gradients between sparse variance steps)."
+        },
+    )
+    exact_step_dtype: str = field(
+        default="bfloat16",
+        metadata={
+            "help": "Precision of the exact steps' gradient average (1-bit Adam's warm-up, 0/1 Adam's phase 1): "
+            "the default 'bfloat16' halves their bytes, most of a run's; 'float32': full precision.",
+            "choices": ["float32", "bfloat16"],
         },
     )
     onebit_bias_correction: bool = field(

@@ -73,12 +73,15 @@ class CompressedAdamBase(OptimizerBooks):
             would step thousands of learning rates, and, compressed, spread that to its neighbours.
             ``False`` is the papers' and DeepSpeed's maths.
         exact_step_dtype: the precision in which exact steps (1-bit Adam's warm-up, 0/1 Adam's
-            exact warm-up and variance steps) average the gradients. ``None`` (default): full
-            precision (fp32; a DDP bucket's own dtype in the hook). ``torch.bfloat16`` (or
-            ``"bfloat16"``) halves their bytes, most of what either optimizer sends in a run, as
-            DDP's ``bf16_compress_hook`` does for plain DDP: each gradient is rounded to 8 bits
-            of mantissa before the average. The samples of ``follow_gradient_scale`` that ride
-            with them are rounded to bf16 too; compressed steps are unchanged.
+            phase 1) average the gradients. ``torch.bfloat16`` (the default, or ``"bfloat16"``)
+            halves their bytes, most of what either optimizer sends in a run, as DDP's
+            ``bf16_compress_hook`` does for plain DDP: each gradient is rounded to 8 bits of
+            mantissa before the average. On the frontier and convergence workloads it moved the
+            final loss by no more than the spread between seeds (``docs/frontier.md``). The
+            samples of ``follow_gradient_scale`` that ride with them are rounded to bf16 too.
+            ``torch.float32`` (or ``None``): full precision (a DDP bucket's own dtype in the
+            hook). It applies to fp32 gradients; fp16 and bf16 buckets go as they are, and
+            compressed steps are unchanged.
 
     With no process group, or a world size of 1, the optimizer communicates nothing and runs Adam
     with the same schedule (so it can be used and tested in a single process).

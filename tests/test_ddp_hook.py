@@ -7,8 +7,10 @@ from _dist import run_ranks
 
 
 def _opt(name, params, **kw):
+    """The papers' maths unless told otherwise: exact steps in fp32, 0/1 Adam's 1-bit gradients from its second gap."""
     from hf_zeroone import OneBitAdam, ZeroOneAdam
 
+    kw.setdefault("exact_step_dtype", "float32")
     if name == "onebit":
         return OneBitAdam(params, lr=1e-2, weight_decay=0.01, freeze_step=kw.pop("freeze_step", 3), **kw)
     return ZeroOneAdam(
@@ -19,7 +21,7 @@ def _opt(name, params, **kw):
         var_update_scaler=2,
         local_step_scaler=3,
         local_step_clipper=4,
-        **kw,
+        **{"exact_warmup_steps": 0, **kw},
     )
 
 

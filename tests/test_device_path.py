@@ -143,7 +143,7 @@ def test_the_hook_reads_nothing_on_the_host(no_host_reads, name):
     else:
         opt = ZeroOneAdam(
             model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=1, local_step_scaler=2,
-            local_step_clipper=4, communicator=comm,
+            local_step_clipper=4, communicator=comm, exact_warmup_steps=0,
         )  # fmt: skip
     state = ZeroOneHookState(opt, overflow_check_on_local_steps=True)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -20,7 +20,7 @@ def test_warmup_ratio_works_as_keyword_and_flag():
 
     args = ZeroOneTrainingArguments(output_dir="out", optim_compression="zeroone_adam", warmup_ratio=0.1, report_to=[])
     assert args.get_warmup_steps(1000) == 100
-    assert args.compression_schedule(1000)["exact_warmup_steps"] == 100
+    assert args.compression_schedule(1000)["exact_warmup_steps"] == 300  # all of phase 1
     assert args.compression_schedule(1000)["var_freeze_step"] == 300
     (parsed,) = HfArgumentParser(ZeroOneTrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", "out", "--optim_compression", "onebit_adam", "--warmup_ratio", "0.25", "--report_to", "none"]

@@ -83,7 +83,7 @@ def test_set_run_length_derives_what_was_not_given():
     assert zo.var_freeze_step == recommended_freeze_step(400, 80) == 120
     assert zo.local_step_clipper == recommended_local_steps(400, 80)["local_step_clipper"]
     assert zo.local_step_scaler == 7  # given: kept
-    assert zo.exact_warmup_steps == 40
+    assert zo.exact_warmup_steps == zo.var_freeze_step == 120  # not given: all of phase 1
     given = OneBitAdam(p, lr=1e-3, freeze_step=30)
     given.set_run_length(1000, warmup_steps=50)
     assert given.freeze_step == 30

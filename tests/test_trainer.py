@@ -65,11 +65,11 @@ def test_trainer_trains_with_each_optimizer(tmp_path, optim):
         assert {"comm/bytes_sent", "comm/bytes_total", "comm/compression_ratio", "comm/local_phase"} <= set(entry)
     warmup_bytes = steps[0]["comm/bytes_sent"]
     assert warmup_bytes > 0
-    # after the exact warm-up (4 steps; 0/1 Adam's variance steps then thin out), compressed steps
-    # send at most 1/25 of a warm-up step
+    # after the exact phase, compressed steps send at most 1/12 of an exact step (which is in bf16:
+    # about 1/16 on this small model, with its per-segment scales)
     compressed = [e["comm/bytes_sent"] for e in steps[8:] if 0 < e["comm/bytes_sent"] < warmup_bytes]
     assert compressed, [e["comm/bytes_sent"] for e in steps]
-    assert max(compressed) <= warmup_bytes / 25
+    assert max(compressed) <= warmup_bytes / 12
     if optim == "zeroone_adam":
         assert any(e["comm/bytes_sent"] == 0 for e in steps)  # local steps
         assert steps[-1]["comm/local_phase"] == 1
@@ -212,12 +212,12 @@ def test_an_epoch_based_run_derives_the_schedule_from_its_length(tmp_path):
     )  # fmt: skip
     trainer = ZeroOneTrainer(model=tiny_bert(), args=args, train_dataset=TokenParityDataset(n=80))
     trainer.create_optimizer_and_scheduler(num_training_steps=30)  # 3 epochs of 10 steps
-    assert (trainer.optimizer.exact_warmup_steps, trainer.optimizer.var_freeze_step) == (3, 9)
+    assert (trainer.optimizer.exact_warmup_steps, trainer.optimizer.var_freeze_step) == (9, 9)
 
     trainer = ZeroOneTrainer(model=tiny_bert(), args=args, train_dataset=TokenParityDataset(n=80))
     trainer.train()
     assert trainer.state.global_step == 30
-    assert (trainer.optimizer.optimizer.exact_warmup_steps, trainer.optimizer.optimizer.var_freeze_step) == (3, 9)
+    assert (trainer.optimizer.optimizer.exact_warmup_steps, trainer.optimizer.optimizer.var_freeze_step) == (9, 9)
 
 
 def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
@@ -245,15 +245,15 @@ def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
     (args,) = HfArgumentParser(ZeroOneTrainingArguments).parse_json_file(str(config))
     assert args.compression_schedule(1000) == {
         "var_freeze_step": 300,  # the later of twice the warm-up and 30% of the run
-        "exact_warmup_steps": 10,
+        "exact_warmup_steps": 300,  # all of phase 1
         "var_update_scaler": 16,
         "local_step_scaler": 43,  # (1000 - 300) // (4 * log2(16)): the gap reaches 16 a quarter into the local phase
         "local_step_clipper": 16,
     }
-    # a 90-step run (freeze at 27, 63 local-phase steps): the largest gap is 2 (63 // 16 = 3, rounded down
-    # to a power of two), not 16, and the gap doubles every 63 // (4 * 1) steps
+    # a 90-step run (freeze at 27, 63 local-phase steps): the largest gap is 1 (63 // 32), not 16: it syncs
+    # at every step of its local phase
     short = args.compression_schedule(90)
-    assert (short["var_freeze_step"], short["local_step_clipper"], short["local_step_scaler"]) == (27, 2, 15)
+    assert (short["var_freeze_step"], short["local_step_clipper"], short["local_step_scaler"]) == (27, 1, 15)
     help_text = HfArgumentParser(ZeroOneTrainingArguments).format_help()
     assert "1-bit Adam: exact steps before compression" in help_text
 

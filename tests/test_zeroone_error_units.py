@@ -37,9 +37,16 @@ def _ledger(rank, world, quiet_rows):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.zeros(24, 16)), torch.nn.Parameter(torch.zeros(40))]
     # clipping to the variance removes part of a gradient on purpose (a young v clips a tail
-    # element at the first 1-bit step here): off, so that the ledger is the error feedback's alone
+    # element at the first 1-bit step here): off, so that the ledger is the error feedback's alone;
+    # exact steps in fp32, so that they apply the exact average the ledger counts
     opt = ZeroOneAdam(
-        params, lr=1e-3, var_freeze_step=10**6, exact_warmup_steps=2, var_update_scaler=1, clip_to_variance=False
+        params,
+        lr=1e-3,
+        var_freeze_step=10**6,
+        exact_warmup_steps=2,
+        var_update_scaler=1,
+        clip_to_variance=False,
+        exact_step_dtype=torch.float32,
     )
     applied = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
     exact = [torch.zeros(p.shape, dtype=torch.float64) for p in params]

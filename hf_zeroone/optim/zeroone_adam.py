@@ -195,6 +195,8 @@ class ZeroOneAdam(CompressedAdamBase):
         given = self._given
         if given["var_freeze_step"] is None:
             self.var_freeze_step = recommended_freeze_step(num_training_steps, 2 * warmup_steps)
+        if given["exact_warmup_steps"] is None:
+            self.exact_warmup_steps = self.var_freeze_step  # all of phase 1, as None means
         local = recommended_local_steps(num_training_steps, self.var_freeze_step, given["local_step_clipper"])
         self.local_step_clipper = local["local_step_clipper"]
         if given["local_step_scaler"] is None:

@@ -75,7 +75,7 @@ class PretrainArguments:
     )
     local_step_clipper: int | None = field(
         default=None,
-        metadata={"help": "0/1 Adam largest sync gap (default: 16, at most a thirty-second of the local phase)."},
+        metadata={"help": "0/1 Adam largest sync gap (default: 16, at most a sixty-fourth of the local phase)."},
     )
     exact_warmup_steps: int | None = field(
         default=None, metadata={"help": "0/1 Adam exact steps at the start (default: warmup_steps)."}

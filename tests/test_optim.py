@@ -347,12 +347,13 @@ def test_recommended_local_steps_keep_short_runs_syncing_often():
     from hf_zeroone import recommended_local_steps
 
     # long runs: the paper's largest gap, reached a quarter of the way into the local phase
-    assert recommended_local_steps(1000, 200) == {"local_step_scaler": 50, "local_step_clipper": 16}
+    assert recommended_local_steps(2000, 400) == {"local_step_scaler": 100, "local_step_clipper": 16}
     assert recommended_local_steps(100_000, 20_000) == {"local_step_scaler": 5000, "local_step_clipper": 16}
-    # the suite's 90-step fine-tuning run (72 local-phase steps): gap 2 at most, not 16
-    assert recommended_local_steps(90, 18) == {"local_step_scaler": 18, "local_step_clipper": 2}
-    # at most a thirty-second of the phase, rounded down to a power of two (300 - 60 = 240: 7 -> 4)
-    assert recommended_local_steps(300, 60) == {"local_step_scaler": 30, "local_step_clipper": 4}
+    # the suite's 90-step fine-tuning run (72 local-phase steps): a sync at every step, not a gap of 16
+    assert recommended_local_steps(90, 18) == {"local_step_scaler": 18, "local_step_clipper": 1}
+    # at most a sixty-fourth of the phase, rounded down to a power of two (1000 - 300 = 700: 10 -> 8)
+    assert recommended_local_steps(1000, 300) == {"local_step_scaler": 58, "local_step_clipper": 8}
+    assert recommended_local_steps(300, 60) == {"local_step_scaler": 60, "local_step_clipper": 2}
     assert recommended_local_steps(10, 10) == {"local_step_scaler": 1, "local_step_clipper": 1}  # no local phase
     assert recommended_local_steps(90, 18, local_step_clipper=16)["local_step_clipper"] == 16  # explicit: kept
     for bad, match in [((0, 0), "num_training_steps"), ((10, -1), "var_freeze_step"), ((10, 2, 0), "clipper")]:

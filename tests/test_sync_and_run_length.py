@@ -81,7 +81,7 @@ def test_set_run_length_derives_what_was_not_given():
     zo = ZeroOneAdam(p, lr=1e-3, local_step_scaler=7)
     zo.set_run_length(400, warmup_steps=40)
     assert zo.var_freeze_step == recommended_freeze_step(400, 80) == 120
-    assert zo.local_step_clipper == recommended_local_steps(400, 80)["local_step_clipper"]
+    assert zo.local_step_clipper == recommended_local_steps(400, 120)["local_step_clipper"] == 4
     assert zo.local_step_scaler == 7  # given: kept
     assert zo.exact_warmup_steps == zo.var_freeze_step == 120  # not given: all of phase 1
     given = OneBitAdam(p, lr=1e-3, freeze_step=30)

@@ -247,10 +247,10 @@ def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
         "var_freeze_step": 300,  # the later of twice the warm-up and 30% of the run
         "exact_warmup_steps": 300,  # all of phase 1
         "var_update_scaler": 16,
-        "local_step_scaler": 43,  # (1000 - 300) // (4 * log2(16)): the gap reaches 16 a quarter into the local phase
-        "local_step_clipper": 16,
+        "local_step_scaler": 58,  # (1000 - 300) // (4 * log2(8)): the gap reaches 8 a quarter into the local phase
+        "local_step_clipper": 8,  # 16, but at most (1000 - 300) // 64 = 10, rounded down to a power of two
     }
-    # a 90-step run (freeze at 27, 63 local-phase steps): the largest gap is 1 (63 // 32), not 16: it syncs
+    # a 90-step run (freeze at 27, 63 local-phase steps): the largest gap is 1 (63 // 64 is 0), not 16: it syncs
     # at every step of its local phase
     short = args.compression_schedule(90)
     assert (short["var_freeze_step"], short["local_step_clipper"], short["local_step_scaler"]) == (27, 1, 15)

@@ -45,7 +45,7 @@ class ZeroOneArgumentsMixin:
     1-bit Adam; ``var_freeze_step = recommended_freeze_step(T, 2 W)`` for 0/1 Adam (every step
     before it exact unless ``exact_warmup_steps`` says otherwise), whose ``local_step_scaler`` and
     ``local_step_clipper`` come from ``recommended_local_steps`` (the largest sync gap 16 but at
-    most a thirty-second of the local phase, reached a quarter of the way into it).
+    most a sixty-fourth of the local phase, reached a quarter of the way into it).
 
     ``warmup_ratio`` works on every supported transformers version: 4.x has the field; on 5.x,
     which dropped it (there a ``warmup_steps`` below 1 is a ratio), this class adds it and passes
@@ -99,7 +99,7 @@ class ZeroOneArgumentsMixin:
         default=None,
         metadata={
             "help": "0/1 Adam: largest gap between syncs in the local phase (default: 16, the paper's H, but at "
-            "most a thirty-second of the local phase, so that short runs still sync often)."
+            "most a sixty-fourth of the local phase, so that short runs still sync often)."
         },
     )
     exact_warmup_steps: int | None = field(

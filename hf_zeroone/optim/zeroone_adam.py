@@ -97,7 +97,7 @@ class ZeroOneAdam(CompressedAdamBase):
             steps at all in a run shorter than about 32k steps.) For a run of known length,
             :func:`~hf_zeroone.optim.recommended_local_steps` gives this and ``local_step_clipper``.
         local_step_clipper: largest sync gap (:math:`H` in the paper). In a short run keep it to a
-            thirty-second of the local phase or less (what ``recommended_local_steps`` does): on a
+            sixty-fourth of the local phase or less (what ``recommended_local_steps`` does): on a
             90-step fine-tuning run a gap of 16 cost 0/1 Adam 1.9-3.2 accuracy points.
         exact_warmup_steps: number of first steps that are all exact variance steps. ``None``
             (the default): all of phase 1, every step before ``var_freeze_step``, so ``v`` is

@@ -188,7 +188,8 @@ def prepare_lm_data(args: SuiteArguments, out: Path) -> Path:
 def prepare_finetune_data(args: SuiteArguments, out: Path, seed: int) -> Path:
     from suite.finetune import docstring_dataset
 
-    data = out / "data" / f"finetune_seed{seed}"
+    # the name says what was generated: a saved run is reused only on the same data (suite/launch.same_run)
+    data = out / "data" / f"finetune_seed{seed}_per_class{args.finetune_per_class}_eval{args.finetune_eval_fraction:g}"
     data.mkdir(parents=True, exist_ok=True)
     ds = docstring_dataset(per_class=args.finetune_per_class, eval_fraction=args.finetune_eval_fraction, seed=seed)
     (data / "docstrings.json").write_text(json.dumps(ds))

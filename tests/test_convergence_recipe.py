@@ -203,3 +203,23 @@ def test_a_moved_output_directory_keeps_its_runs(tmp_path, monkeypatch):
     # anything else that differs (here the data's parameters, or the learning rate) runs again
     assert not launch.same_run(old, dict(spec, data_dir=str(tmp_path / "data" / "lm_9_2_3")))
     assert not launch.same_run(old, dict(spec, lr=2e-3))
+
+
+def test_finetune_data_of_other_parameters_is_another_directory(tmp_path, monkeypatch):
+    """A saved fine-tuning run is reused only on the same documents: the data directory names them."""
+    sys.path.insert(0, str(RECIPES))
+    import convergence
+    from suite import finetune
+
+    monkeypatch.setattr(finetune, "docstring_dataset", lambda **kw: {"kw": kw})
+    base = convergence.SuiteArguments(output_dir=str(tmp_path))
+    dirs = {
+        convergence.prepare_finetune_data(args, tmp_path, seed).name
+        for args, seed in [
+            (base, 0),
+            (base, 1),
+            (convergence.SuiteArguments(output_dir=str(tmp_path), finetune_per_class=8), 0),
+            (convergence.SuiteArguments(output_dir=str(tmp_path), finetune_eval_fraction=0.2), 0),
+        ]
+    }
+    assert len(dirs) == 4, dirs

@@ -17,8 +17,8 @@ gradient clipping:
 * DeMo (pytorch-optimizer) at top-k 8 and 32 of chunks of 64;
 * torch's post-local SGD (AdamW, parameters averaged every 4, 16 or 64 steps after the warm-up);
 * 1-bit Adam with its default freeze (``set_run_length``) and a freeze at 10% and 5% of the run;
-* 0/1 Adam with its defaults, with the variance frozen at 10% of the run, and with a largest sync
-  gap of 64;
+* 0/1 Adam with its defaults, with the variance frozen at 10% of the run (and at 10% and 5% with
+  4x the learning rate), and with a largest sync gap of 64;
 * both at 4x the learning rate, their only knob shared with AdamW;
 * both with their exact steps in full precision (``exact_step_dtype="float32"``; the default is
   bf16), and 0/1 Adam with the paper's phase 1 (``exact_warmup_steps=0``: 1-bit gradients between
@@ -88,6 +88,9 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     points += [(f"1-bit Adam freeze {f}%", "onebit_adam", 1, {"freeze_step": max(1, t * f // 100)}) for f in (10, 5)]
     points.append(("0/1 Adam default", "zeroone_adam", 1, {}))
     points.append(("0/1 Adam freeze 10%", "zeroone_adam", 1, {"var_freeze_step": max(2, t // 10)}))
+    # a shorter exact phase at AdamW's best CLM learning rate: the cheapest points near its loss
+    for f in (10, 5):
+        points.append((f"0/1 Adam freeze {f}% lr x4", "zeroone_adam", 4, {"var_freeze_step": max(2, t * f // 100)}))
     points.append(("0/1 Adam gap 64", "zeroone_adam", 1, {"local_step_clipper": 64}))
     points += [("1-bit Adam lr x4", "onebit_adam", 4, {}), ("0/1 Adam lr x4", "zeroone_adam", 4, {})]
     # the papers' exact steps: full precision, and 0/1 Adam's 1-bit gradients between sparse variance steps

@@ -78,7 +78,8 @@ class PretrainArguments:
         metadata={"help": "0/1 Adam largest sync gap (default: 16, at most a sixty-fourth of the local phase)."},
     )
     exact_warmup_steps: int | None = field(
-        default=None, metadata={"help": "0/1 Adam exact steps at the start (default: warmup_steps)."}
+        default=None,
+        metadata={"help": "0/1 Adam exact steps at the start (default: all steps before its variance freeze)."},
     )
     eval_sequences: int = field(default=64, metadata={"help": "Held-out sequences for the final loss."})
     log_every: int = field(default=10, metadata={"help": "Steps between log lines."})
@@ -235,7 +236,7 @@ def build_optimizer(args: PretrainArguments, model: torch.nn.Module) -> torch.op
             lr=args.learning_rate,
             var_freeze_step=var_freeze,
             var_update_scaler=args.var_update_scaler,
-            exact_warmup_steps=args.exact_warmup_steps if args.exact_warmup_steps is not None else warm,
+            exact_warmup_steps=args.exact_warmup_steps,
             **local,
         )
     return torch.optim.AdamW(groups, lr=args.learning_rate)

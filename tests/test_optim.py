@@ -147,7 +147,9 @@ def test_zeroone_local_steps_honour_a_changing_learning_rate():
 def test_lr_zero_freezes_parameters_in_every_phase():
     model = _model()
     before = _flat(model)
-    opt = ZeroOneAdam(model.parameters(), lr=0.0, var_freeze_step=5, var_update_scaler=1, weight_decay=0.1)
+    opt = ZeroOneAdam(
+        model.parameters(), lr=0.0, var_freeze_step=5, var_update_scaler=1, weight_decay=0.1, exact_warmup_steps=0
+    )  # the paper's phase 1, so that every step kind comes
     _train(model, opt, _batches(12))
     assert torch.equal(_flat(model), before)
 
@@ -164,6 +166,7 @@ def test_lr_zero_freezes_parameters_in_every_phase():
             local_step_scaler=2,
             local_step_clipper=4,
             weight_decay=0.01,
+            exact_warmup_steps=0,  # every step kind
         ),
     ],
     ids=["onebit", "zeroone"],
@@ -256,7 +259,9 @@ def test_edge_shapes_and_frozen_and_late_parameters():
     empty = torch.nn.Parameter(torch.zeros(0, 3))
     odd = torch.nn.Parameter(torch.ones(7, 3))
     frozen = torch.nn.Parameter(torch.ones(4), requires_grad=False)
-    opt = ZeroOneAdam([scalar, empty, odd, frozen], lr=0.1, var_freeze_step=3, var_update_scaler=1)
+    opt = ZeroOneAdam(
+        [scalar, empty, odd, frozen], lr=0.1, var_freeze_step=3, var_update_scaler=1, exact_warmup_steps=0
+    )
     late = torch.nn.Parameter(torch.ones(5))
     for step in range(8):
         if step == 2:

@@ -57,6 +57,40 @@ def test_a_checkpoint_with_another_schedule_is_refused(cls, saved, resumed):
     make([q], **saved).load_state_dict(sd)  # the same schedule loads
 
 
+def _saved(opt):
+    blob = io.BytesIO()
+    torch.save(opt.state_dict(), blob)
+    blob.seek(0)
+    return torch.load(blob, weights_only=True)
+
+
+def test_exact_phase_1_loads_whether_it_was_given_or_derived():
+    """exact_warmup_steps=None is all of phase 1: a checkpoint of it loads into an optimizer that derived it."""
+    p = torch.nn.Parameter(torch.ones(8))
+    local = dict(local_step_scaler=7, local_step_clipper=1)  # what set_run_length(100, 10) derives
+    opt = ZeroOneAdam([p], lr=1e-2, var_freeze_step=30, **local)  # no run length: exact_warmup_steps stays None
+    _run(p, opt, 5)
+    derived = ZeroOneAdam([torch.nn.Parameter(torch.ones(8))], lr=1e-2, local_step_scaler=7)
+    derived.set_run_length(100, warmup_steps=10)  # var_freeze_step 30, exact_warmup_steps 30
+    derived.load_state_dict(_saved(opt))
+    assert derived.schedule["step"] == 5
+
+
+def test_a_checkpoint_of_the_old_exact_warmup_meaning_is_refused_until_told():
+    """Before, exact_warmup_steps=None meant "while the learning rate rises"; it cannot resume silently."""
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = _zeroone([p], var_freeze_step=30)
+    _run(p, opt, 5)
+    sd = _saved(opt)
+    sd["hf_zeroone"]["hyperparameters"]["exact_warmup_steps"] = None  # as an earlier version saved it
+    sd["hf_zeroone"]["schedule"].update(lr_rising=False, last_lrs=[1e-2])
+    with pytest.raises(ValueError, match="earlier version.*exact_warmup_steps set to the number of LR warm-up steps"):
+        _zeroone([torch.nn.Parameter(torch.ones(8))], var_freeze_step=30).load_state_dict(sd)
+    told = _zeroone([torch.nn.Parameter(torch.ones(8))], var_freeze_step=30, exact_warmup_steps=3)
+    told.load_state_dict(sd)
+    assert told.schedule["step"] == 5 and "lr_rising" not in told.schedule and "last_lrs" not in told.schedule
+
+
 def test_re_entering_the_local_phase_starts_from_the_current_parameters():
     """If var_freeze_step moves past the current step, phase 1 returns; its steps must survive the next sync."""
     p = torch.nn.Parameter(torch.ones(8))

@@ -20,6 +20,14 @@ _STATE_KEY = "hf_zeroone"
 _FP32_ON_LOAD = ERROR_STATE + _grad_scale.STATE_KEYS
 
 
+def _schedule_hyperparameters(opt: Any) -> dict[str, Any]:  # noqa: ANN401 - a CompressedAdamBase
+    """The schedule as it acts: 0/1 Adam's ``exact_warmup_steps=None`` is all of phase 1, ``var_freeze_step``."""
+    values = {name: getattr(opt, name) for name in opt.schedule_params}
+    if "exact_warmup_steps" in values and values["exact_warmup_steps"] is None:
+        values["exact_warmup_steps"] = opt.var_freeze_step
+    return values
+
+
 def add_extra(sd: dict[str, Any], opt: Any) -> dict[str, Any]:  # noqa: ANN401 - a CompressedAdamBase
     """Torch's optimizer state plus the schedule counters and this rank's identity.
 
@@ -32,7 +40,7 @@ def add_extra(sd: dict[str, Any], opt: Any) -> dict[str, Any]:  # noqa: ANN401 -
     sd[_STATE_KEY] = {
         "optimizer": type(opt).__name__,
         "schedule": dict(opt.schedule),
-        "hyperparameters": {name: getattr(opt, name) for name in opt.schedule_params},
+        "hyperparameters": _schedule_hyperparameters(opt),
         "world_size": opt.comm.world_size,
         "rank": opt.comm.rank,
     }
@@ -56,8 +64,18 @@ def split_for_torch(opt: Any, state_dict: dict[str, Any]) -> tuple[dict[str, Any
         )
     if extra.get("optimizer") != name:
         raise ValueError(f"state dict was saved by {extra.get('optimizer')}, cannot load it into {name}")
-    saved = extra.get("hyperparameters", {})
-    mine = {n: getattr(opt, n) for n in opt.schedule_params}
+    saved = dict(extra.get("hyperparameters", {}))
+    if "exact_warmup_steps" in saved and saved["exact_warmup_steps"] is None:
+        if opt._given.get("exact_warmup_steps") is not None:  # the user chose how to resume it
+            del saved["exact_warmup_steps"]
+        else:
+            raise ValueError(
+                f"{name}: this checkpoint comes from an earlier version of hf_zeroone, whose exact_warmup_steps=None "
+                "meant 'exact while the learning rate rises'; it now means all of phase 1. Build the optimizer with "
+                "exact_warmup_steps set to the number of LR warm-up steps of that run to resume it as it was, or "
+                "start afresh."
+            )
+    mine = _schedule_hyperparameters(opt)
     differing = {n: (saved[n], mine[n]) for n in mine if n in saved and saved[n] != mine[n]}
     if differing:
         listing = ", ".join(f"{n}: checkpoint {a!r}, this optimizer {b!r}" for n, (a, b) in differing.items())
@@ -103,7 +121,7 @@ def split_for_torch(opt: Any, state_dict: dict[str, Any]) -> tuple[dict[str, Any
                 if key in state:
                     state[key] = state[key] != 0
             _masks.index_masked_rows(state)  # checkpoints of earlier versions have no index
-        opt.schedule = dict(extra["schedule"])
+        opt.schedule = {k: v for k, v in extra["schedule"].items() if k not in ("lr_rising", "last_lrs")}
         # earlier versions counted each variance update as one step
         opt.schedule.setdefault("variance_steps", opt.schedule["variance_updates"])
 

@@ -21,7 +21,7 @@ and doubles every ``local_step_scaler`` steps up to ``local_step_clipper``.
 local phase, and keeps that largest gap to at most ``1 / LOCAL_PHASE_SYNCS`` of the phase, so a
 short run still syncs often. On the 90-step fine-tuning run of ``recipes/convergence.py`` (72
 local-phase steps) a gap of 16, reached at step 34, left 0/1 Adam 3.17, 2.22 and 1.90 accuracy
-points below AdamW on three seeds; capped at 4 by this rule: -0.95, +2.22 and -1.59 (mean -0.11;
+points below AdamW on three seeds; capped at 4 by the 1/16 rule of the time: -0.95, +2.22 and -1.59 (mean -0.11;
 paired, seeded runs: the README's convergence suite, and the CHANGELOG for the gap of 16).
 The fraction was a sixteenth before issue 25. On the run-length sweep of ``convergence.py``
 (2-layer GPT-2, seeds 0-3, phase 1 exact in bf16) a largest gap of 1/32 of the local phase left

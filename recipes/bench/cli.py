@@ -97,8 +97,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         "--zeroone_exact_warmup_steps",
         type=int,
         default=None,
-        help="0/1 Adam exact_warmup_steps (default: --warmup_steps, as ZeroOneTrainer does; 0 is the paper's "
-        "and DeepSpeed's schedule, with no full-precision steps beyond the variance steps)",
+        help="0/1 Adam exact_warmup_steps (default: the optimizer's, every step before its variance freeze; 0 is "
+        "the paper's and DeepSpeed's schedule, with no exact steps beyond the variance steps)",
     )
     sched.add_argument("--var_freeze_step", type=int, default=20, help="0/1 Adam: first local-step phase step")
     sched.add_argument("--var_update_scaler", type=int, default=2, help="0/1 Adam: var_update_scaler")
@@ -128,9 +128,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--vocab must be > {FIRST_WORD_ID + 4}")
     if args.data == "text" and args.vocab < 300:
         raise SystemExit("--vocab must be >= 300 with --data text (a byte-level BPE starts from 256 bytes)")
-    if args.zeroone_exact_warmup_steps is None:
-        args.zeroone_exact_warmup_steps = args.warmup_steps
-    if args.zeroone_exact_warmup_steps < 0:
+    if args.zeroone_exact_warmup_steps is not None and args.zeroone_exact_warmup_steps < 0:
         raise SystemExit("--zeroone_exact_warmup_steps must be >= 0")
     if "powersgd" in methods and args.warmup_steps < 2:
         raise SystemExit("--warmup_steps must be >= 2 with powersgd (start_powerSGD_iter > 1 is required)")

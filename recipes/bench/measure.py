@@ -47,7 +47,8 @@ def phase_ranges(method: str, cfg: dict[str, Any], n_steps: int) -> list[tuple[s
     elif method == "onebit":
         cuts = [("warm-up", 0, w), ("compression", w, n_steps)]
     elif method == "zeroone":
-        e = min(cfg["zeroone_exact_warmup_steps"], v)
+        given = cfg["zeroone_exact_warmup_steps"]  # None: the optimizer's default, all of phase 1
+        e = v if given is None else min(given, v)
         cuts = [("warm-up", 0, e), ("compression", e, v), ("local", v, n_steps)]
     else:
         cuts = [("all", 0, n_steps)]

@@ -9,6 +9,12 @@ from bench.measure import METHODS
 from bench.netns import parse_rate
 
 
+def _exact_warmup(a: dict) -> str:
+    """0/1 Adam's exact steps as run (reports of runs before the flag existed: the LR warm-up)."""
+    given = a.get("zeroone_exact_warmup_steps", a["warmup_steps"])
+    return "all of phase 1" if given is None else str(given)
+
+
 def _fmt_bytes(x: float | None) -> str:
     if x is None:
         return "n/a"
@@ -46,7 +52,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines.append(
         f"- schedule: {a['steps']} steps (no-communication reference: {a['nocomm_steps']}), lr {a['lr']} with "
         f"{a['warmup_steps']} warm-up steps; 1-bit Adam freeze_step {a['warmup_steps']}; 0/1 Adam "
-        f"exact_warmup_steps {a.get('zeroone_exact_warmup_steps', a['warmup_steps'])}, "
+        f"exact_warmup_steps {_exact_warmup(a)}, "
         f"var_freeze_step {a['var_freeze_step']}, var_update_scaler "
         f"{a['var_update_scaler']}, local_step_scaler {a['local_step_scaler']}, local_step_clipper "
         f"{a['local_step_clipper']}; PowerSGD rank {a['powersgd_rank']}, start_powerSGD_iter "

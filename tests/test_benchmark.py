@@ -26,6 +26,7 @@ TINY = [
     "--seq_len", "16", "--batch_size", "4", "--steps", "6", "--warmup_steps", "2", "--var_freeze_step", "4",
     "--var_update_scaler", "1", "--local_step_scaler", "1", "--nocomm_steps", "4", "--skip_steps", "1",
     "--log_every", "3", "--pack_numel", "65536", "--pack_reps", "2", "--timeout", str(TIMEOUT_S - 20),
+    "--zeroone_exact_warmup_steps", "2",  # 0/1 Adam's 1-bit gradient steps between the warm-up and the freeze
 ]  # fmt: skip
 
 

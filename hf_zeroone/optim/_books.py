@@ -139,6 +139,10 @@ class OptimizerBooks(Optimizer):
         """Whether the variance freeze was given (or derived by :meth:`set_run_length`)."""
         raise NotImplementedError
 
+    def _schedule_hyperparameters(self) -> dict[str, Any]:
+        """The values of :attr:`schedule_params` as the schedule acts on them (what a checkpoint must match)."""
+        return {name: getattr(self, name) for name in self.schedule_params}
+
     # ------------------------------------------------------------------ run length and replicas
     def set_run_length(self, num_training_steps: int, warmup_steps: int = 0) -> None:
         """Derive the schedule settings left unset from the run's length, before the first step.

@@ -20,14 +20,6 @@ _STATE_KEY = "hf_zeroone"
 _FP32_ON_LOAD = ERROR_STATE + _grad_scale.STATE_KEYS
 
 
-def _schedule_hyperparameters(opt: Any) -> dict[str, Any]:  # noqa: ANN401 - a CompressedAdamBase
-    """The schedule as it acts: 0/1 Adam's ``exact_warmup_steps=None`` is all of phase 1, ``var_freeze_step``."""
-    values = {name: getattr(opt, name) for name in opt.schedule_params}
-    if "exact_warmup_steps" in values and values["exact_warmup_steps"] is None:
-        values["exact_warmup_steps"] = opt.var_freeze_step
-    return values
-
-
 def add_extra(sd: dict[str, Any], opt: Any) -> dict[str, Any]:  # noqa: ANN401 - a CompressedAdamBase
     """Torch's optimizer state plus the schedule counters and this rank's identity.
 
@@ -40,7 +32,7 @@ def add_extra(sd: dict[str, Any], opt: Any) -> dict[str, Any]:  # noqa: ANN401 -
     sd[_STATE_KEY] = {
         "optimizer": type(opt).__name__,
         "schedule": dict(opt.schedule),
-        "hyperparameters": _schedule_hyperparameters(opt),
+        "hyperparameters": opt._schedule_hyperparameters(),
         "world_size": opt.comm.world_size,
         "rank": opt.comm.rank,
     }
@@ -75,7 +67,7 @@ def split_for_torch(opt: Any, state_dict: dict[str, Any]) -> tuple[dict[str, Any
                 "exact_warmup_steps set to the number of LR warm-up steps of that run to resume it as it was, or "
                 "start afresh."
             )
-    mine = _schedule_hyperparameters(opt)
+    mine = opt._schedule_hyperparameters()
     differing = {n: (saved[n], mine[n]) for n in mine if n in saved and saved[n] != mine[n]}
     if differing:
         listing = ", ".join(f"{n}: checkpoint {a!r}, this optimizer {b!r}" for n, (a, b) in differing.items())

@@ -196,7 +196,7 @@ class ZeroOneAdam(CompressedAdamBase):
         if given["var_freeze_step"] is None:
             self.var_freeze_step = recommended_freeze_step(num_training_steps, 2 * warmup_steps)
         if given["exact_warmup_steps"] is None:
-            self.exact_warmup_steps = self.var_freeze_step  # all of phase 1, as None means
+            self.exact_warmup_steps = self.var_freeze_step  # all of phase 1, named
         local = recommended_local_steps(num_training_steps, self.var_freeze_step, given["local_step_clipper"])
         self.local_step_clipper = local["local_step_clipper"]
         if given["local_step_scaler"] is None:
@@ -242,10 +242,17 @@ class ZeroOneAdam(CompressedAdamBase):
             "local_phase_started": False,
         }
 
+    def _exact_steps(self) -> int:
+        """How many first steps are all exact: ``exact_warmup_steps``, or all of phase 1 when it is ``None``."""
+        return self.var_freeze_step if self.exact_warmup_steps is None else self.exact_warmup_steps
+
     def _in_exact_warmup(self) -> bool:
         """Whether the coming step belongs to the exact warm-up (see ``exact_warmup_steps``)."""
-        last = self.var_freeze_step if self.exact_warmup_steps is None else self.exact_warmup_steps
-        return self.schedule["step"] < last
+        return self.schedule["step"] < self._exact_steps()
+
+    def _schedule_hyperparameters(self) -> dict[str, Any]:
+        """As :attr:`schedule_params`, with ``exact_warmup_steps`` as it acts (``None`` is ``var_freeze_step``)."""
+        return {**super()._schedule_hyperparameters(), "exact_warmup_steps": self._exact_steps()}
 
     def _variance_gap(self) -> int:
         """The steps since the last variance update, this one included (see ``variance_steps``)."""

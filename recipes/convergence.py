@@ -49,7 +49,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from suite.launch import code_version, run  # noqa: E402 - needs the path
+from suite.launch import code_version, package_defaults, run  # noqa: E402 - needs the path
 from suite.report import OPTIMIZERS, markdown, mean_over_seeds, plot  # noqa: E402
 
 WORKLOADS = ("finetune", "clm", "mlm", "lsq", "clm_lengths")
@@ -217,6 +217,9 @@ def make_spec(
         spec.update(steps=steps, warmup_steps=warm, lr=args.lm_lr, batch_size=args.lm_batch_size)
         spec.update(hidden_size=args.lm_hidden_size, num_layers=args.lm_num_layers, num_heads=args.lm_num_heads)
         spec.update(max_grad_norm=args.lm_max_grad_norm, eval_size=args.lm_eval_sequences)
+    defaults = package_defaults(optimizer)
+    if defaults is not None:  # a saved run of other defaults is run again
+        spec["package_defaults"] = defaults
     return spec
 
 

@@ -223,3 +223,20 @@ def test_finetune_data_of_other_parameters_is_another_directory(tmp_path, monkey
         ]
     }
     assert len(dirs) == 4, dirs
+
+
+def test_a_run_of_other_package_defaults_runs_again(monkeypatch):
+    """A saved hf_zeroone run is reused only under the same defaults: the spec records them."""
+    sys.path.insert(0, str(RECIPES))
+    from suite import launch
+
+    from hf_zeroone.optim import _schedule
+
+    suite = _load_suite()
+    args = suite.SuiteArguments()
+    before = {name: suite.make_spec(args, "clm", name, Path("d"), Path("r"), 0) for name in ("onebit_adam", "adamw")}
+    assert before["onebit_adam"]["package_defaults"]["exact_step_dtype"] == "torch.bfloat16"
+    monkeypatch.setattr(_schedule, "FREEZE_PERCENT", _schedule.FREEZE_PERCENT + 10)
+    after = {name: suite.make_spec(args, "clm", name, Path("d"), Path("r"), 0) for name in ("onebit_adam", "adamw")}
+    assert not launch.same_run(before["onebit_adam"], after["onebit_adam"])
+    assert launch.same_run(before["adamw"], after["adamw"])  # AdamW takes nothing from hf_zeroone

@@ -79,6 +79,18 @@ def test_deepspeeds_zero_one_adam_tutorial_config_loads():
     assert not any("bias_correction" in n for n in notes)
 
 
+def test_defaults_that_differ_from_deepspeeds_are_noted_unless_set():
+    """A DeepSpeed user learns which defaults change the run, and the keyword that restores DeepSpeed's."""
+    _, notes = _load(ZEROONE_TUTORIAL)
+    text = "\n".join(notes)
+    assert "exact_step_dtype=torch.float32" in text and "exact_warmup_steps=0" in text
+    _, notes = _load(ONEBIT_TUTORIAL)
+    assert any("exact_step_dtype" in n for n in notes) and not any("exact_warmup_steps" in n for n in notes)
+    opt, notes = _load(ZEROONE_TUTORIAL, exact_step_dtype=torch.float32, exact_warmup_steps=0)
+    assert not any("exact_" in n for n in notes)
+    assert opt.exact_step_dtype is None or opt.exact_step_dtype == torch.float32
+
+
 def test_every_parameter_deepspeed_accepted_is_mapped_or_noted():
     params = {
         "lr": 2e-4, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1, "bias_correction": True,

@@ -8,8 +8,10 @@ rejects ``"type": "OneBitAdam"``. A config that holds ::
 loads here with :func:`from_deepspeed_config`. Every parameter DeepSpeed's two optimizers accepted
 maps to its namesake, or is accepted with a one-line note where it has no meaning here
 (``cuda_aware``, ``comm_backend_name``) or did nothing in DeepSpeed either (``eps_inside_sqrt``,
-``max_grad_norm``). What cannot be honoured (``amsgrad``, 1-bit LAMB, an unknown parameter, a value
-left ``"auto"`` with nothing to fill it) raises ``ValueError`` naming the fix. The semantic
+``max_grad_norm``). Defaults that differ from DeepSpeed's (bias correction, bf16 exact steps, 0/1
+Adam's exact phase 1) get a note too, unless the caller sets them. What cannot be honoured
+(``amsgrad``, 1-bit LAMB, an unknown parameter, a value left ``"auto"`` with nothing to fill it)
+raises ``ValueError`` naming the fix. The semantic
 differences, and what to change to reproduce an old run, are in ``docs/migrating_from_deepspeed.md``.
 """
 
@@ -77,6 +79,10 @@ def _note(name: str, why: str) -> None:
     warnings.warn(f"DeepSpeed config: {name} is accepted with no effect: {why}", DeepSpeedConfigNote, stacklevel=3)
 
 
+def _differs(what: str, why: str) -> None:
+    warnings.warn(f"DeepSpeed config: {what} differs from DeepSpeed's: {why}", DeepSpeedConfigNote, stacklevel=3)
+
+
 def optimizer_kwargs(section: Mapping[str, Any], auto: Mapping[str, Any] | None = None) -> tuple[type, dict[str, Any]]:
     """The hf_zeroone class and keyword arguments of a DeepSpeed ``"optimizer"`` section.
 
@@ -125,6 +131,19 @@ def optimizer_kwargs(section: Mapping[str, Any], auto: Mapping[str, Any] | None 
         _note(
             "bias_correction (true or unset)",
             "DeepSpeed never applied it; hf_zeroone corrects by default (set it to false to reproduce an old run)",
+        )
+    given = set(auto or ())  # what the caller sets beside the config
+    if "exact_step_dtype" not in given:
+        _differs(
+            "the exact steps' precision",
+            "hf_zeroone averages their gradients in bf16 by default, half the bytes; DeepSpeed sent the training "
+            "precision (pass exact_step_dtype=torch.float32 to reproduce an old run)",
+        )
+    if cls is ZeroOneAdam and "exact_warmup_steps" not in given:
+        _differs(
+            "0/1 Adam's phase 1",
+            "every step before var_freeze_step is exact here by default; DeepSpeed sent 1-bit gradients between its "
+            "variance steps (pass exact_warmup_steps=0 to reproduce an old run)",
         )
     return cls, kwargs
 

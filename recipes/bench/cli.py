@@ -100,6 +100,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         help="0/1 Adam exact_warmup_steps (default: the optimizer's, every step before its variance freeze; 0 is "
         "the paper's and DeepSpeed's schedule, with no exact steps beyond the variance steps)",
     )
+    sched.add_argument(
+        "--exact_step_dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="precision of both optimizers' exact steps (default: theirs, bfloat16; float32 is the papers')",
+    )
     sched.add_argument("--var_freeze_step", type=int, default=20, help="0/1 Adam: first local-step phase step")
     sched.add_argument("--var_update_scaler", type=int, default=2, help="0/1 Adam: var_update_scaler")
     sched.add_argument("--local_step_scaler", type=int, default=4, help="0/1 Adam: local_step_scaler")

@@ -160,14 +160,16 @@ def run_method(
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ddp = DistributedDataParallel(model, **_ddp_kwargs())
     adam = {"lr": cfg["lr"], "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": cfg["weight_decay"]}
+    exact = {"exact_step_dtype": cfg.get("exact_step_dtype", "bfloat16")}
     counter: HookCounter | None = None
     if method == "onebit":
-        opt: torch.optim.Optimizer = OneBitAdam(ddp.parameters(), **adam, freeze_step=cfg["warmup_steps"])
+        opt: torch.optim.Optimizer = OneBitAdam(ddp.parameters(), **adam, **exact, freeze_step=cfg["warmup_steps"])
         register_zeroone_hook(ddp, opt)
     elif method == "zeroone":
         opt = ZeroOneAdam(
             ddp.parameters(),
             **adam,
+            **exact,
             var_freeze_step=cfg["var_freeze_step"],
             var_update_scaler=cfg["var_update_scaler"],
             local_step_scaler=cfg["local_step_scaler"],

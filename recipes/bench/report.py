@@ -51,7 +51,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines.append(f"- data (`--data {a.get('data', 'synthetic')}`): {report.get('data', 'synthetic language')}")
     lines.append(
         f"- schedule: {a['steps']} steps (no-communication reference: {a['nocomm_steps']}), lr {a['lr']} with "
-        f"{a['warmup_steps']} warm-up steps; 1-bit Adam freeze_step {a['warmup_steps']}; 0/1 Adam "
+        f"{a['warmup_steps']} warm-up steps; exact steps in {a.get('exact_step_dtype', 'float32')}; "
+        f"1-bit Adam freeze_step {a['warmup_steps']}; 0/1 Adam "
         f"exact_warmup_steps {_exact_warmup(a)}, "
         f"var_freeze_step {a['var_freeze_step']}, var_update_scaler "
         f"{a['var_update_scaler']}, local_step_scaler {a['local_step_scaler']}, local_step_clipper "

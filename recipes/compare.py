@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -176,7 +177,7 @@ def main() -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = {name: run_one(args.recipe, name, args.nproc, out / name, extra) for name in names}
-    command = " ".join(["python recipes/compare.py", *sys.argv[1:]])
+    command = shlex.join(["python", "recipes/compare.py", *sys.argv[1:]])  # quoted: it runs as it ran
     table = write_report(results, out, command)
     print("\n" + table + f"\n\nwrote {out / 'results.md'}, {out / 'loss_vs_step.png'}, {out / 'loss_vs_bytes.png'}")
 

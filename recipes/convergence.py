@@ -42,6 +42,7 @@ shrinks everything (smoke test; one seed, one length).
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(SuiteArguments).parse_args_into_dataclasses(argv)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python recipes/convergence.py", *argv])
+    command = shlex.join(["python", "recipes/convergence.py", *argv])  # quoted: copied into a shell, it runs as it ran
     args.code = code_version()  # reported with the settings
     results: dict[str, dict] = {}
     if args.report_only:

@@ -35,6 +35,7 @@ directory holds the result of the same spec are not run again. ``--quick``: a sm
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     suite = suite_arguments(args)
     data = prepare_lm_data(suite, out)
-    command = " ".join(["python recipes/frontier.py", *argv])
+    command = shlex.join(["python", "recipes/frontier.py", *argv])  # quoted: copied into a shell, it runs as it ran
     saved = json.loads((out / "frontier.json").read_text()) if (out / "frontier.json").exists() else {}
     results: dict[str, list[dict]] = saved.get("results", {})  # other workloads' rows are kept
     commands: dict[str, str] = saved.get("commands", {})

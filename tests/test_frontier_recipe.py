@@ -35,3 +35,21 @@ def test_quick_frontier_runs_every_family_and_counts_their_bytes(tmp_path):
     table = (tmp_path / "frontier.md").read_text()
     assert "| adamw lr x2 |" in table and "Best AdamW:" in table
     assert (tmp_path / "frontier_clm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_recorded_command_runs_as_it_ran_when_copied_into_a_shell(tmp_path, monkeypatch):
+    """``--points`` names hold spaces and ';': the command in the table must be quoted for a shell."""
+    import shlex
+
+    sys.path.insert(0, str(RECIPES))
+    import frontier
+
+    monkeypatch.setattr(frontier, "prepare_lm_data", lambda suite, out: tmp_path / "data")
+    monkeypatch.setattr(frontier, "plot", lambda *a, **k: None)
+    fake = {"metric": 4.0, "bytes": 10, "rounds": 1, "steps": 2}
+    monkeypatch.setattr(frontier, "run", lambda spec, *a, **k: dict(fake, bytes=10 * spec["lr"] / 1e-3))
+    argv = ["--workloads", "clm", "--output_dir", str(tmp_path), "--points", "adamw lr x1; adamw lr x2"]
+    frontier.main(argv)
+    recorded = json.loads((tmp_path / "frontier.json").read_text())["commands"]["clm"]
+    command = recorded.split("`")[1]
+    assert shlex.split(command) == ["python", "recipes/frontier.py", *argv]

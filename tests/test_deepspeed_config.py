@@ -91,6 +91,23 @@ def test_defaults_that_differ_from_deepspeeds_are_noted_unless_set():
     assert opt.exact_step_dtype is None or opt.exact_step_dtype == torch.float32
 
 
+def test_trainer_flags_set_beside_a_deepspeed_config_silence_its_notes(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_zeroone import ZeroOneTrainingArguments
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ZEROONE_TUTORIAL))
+
+    def notes(**flags):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ZeroOneTrainingArguments(output_dir=str(tmp_path), from_deepspeed_config=str(path), report_to=[], **flags)
+        return [str(w.message) for w in caught if issubclass(w.category, DeepSpeedConfigNote)]
+
+    assert sum("exact_" in n for n in notes()) == 2
+    assert not any("exact_" in n for n in notes(exact_step_dtype="float32", exact_warmup_steps=0))
+
+
 def test_every_parameter_deepspeed_accepted_is_mapped_or_noted():
     params = {
         "lr": 2e-4, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1, "bias_correction": True,

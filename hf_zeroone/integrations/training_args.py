@@ -194,9 +194,11 @@ class ZeroOneArgumentsMixin:
         error naming both. "auto" values are these arguments' own.
         """
         auto = {k: getattr(self, v) for k, v in _AUTO.items()} | {"betas": (self.adam_beta1, self.adam_beta2)}
-        cls, kwargs = optimizer_kwargs(deepspeed_optimizer_section(self.from_deepspeed_config), auto=auto)
-        self.optim_compression = next(name for name, c in _CLASSES.items() if c is cls)
         defaults = {f.name: f.default for f in fields(self)}
+        given = [n for n in ("exact_step_dtype", "exact_warmup_steps") if getattr(self, n) != defaults[n]]
+        section = deepspeed_optimizer_section(self.from_deepspeed_config)
+        cls, kwargs = optimizer_kwargs(section, auto=auto, given=given)
+        self.optim_compression = next(name for name, c in _CLASSES.items() if c is cls)
         targets = dict(_AUTO, betas=("adam_beta1", "adam_beta2"), bias_correction="onebit_bias_correction")
         for key, value in kwargs.items():
             names = targets.get(key, key)

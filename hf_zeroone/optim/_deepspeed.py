@@ -83,11 +83,14 @@ def _differs(what: str, why: str) -> None:
     warnings.warn(f"DeepSpeed config: {what} differs from DeepSpeed's: {why}", DeepSpeedConfigNote, stacklevel=3)
 
 
-def optimizer_kwargs(section: Mapping[str, Any], auto: Mapping[str, Any] | None = None) -> tuple[type, dict[str, Any]]:
+def optimizer_kwargs(
+    section: Mapping[str, Any], auto: Mapping[str, Any] | None = None, given: Iterable[str] = ()
+) -> tuple[type, dict[str, Any]]:
     """The hf_zeroone class and keyword arguments of a DeepSpeed ``"optimizer"`` section.
 
     ``auto`` fills the values the config leaves ``"auto"`` (the Hugging Face convention: lr, betas,
-    eps, weight_decay from ``TrainingArguments``).
+    eps, weight_decay from ``TrainingArguments``). ``given``: the options the caller sets beside the
+    config; a default that differs from DeepSpeed's is noted only when it is not among them.
     """
     kind = str(section.get("type", "")).replace("_", "").lower()
     if kind == "onebitlamb":
@@ -132,7 +135,7 @@ def optimizer_kwargs(section: Mapping[str, Any], auto: Mapping[str, Any] | None 
             "bias_correction (true or unset)",
             "DeepSpeed never applied it; hf_zeroone corrects by default (set it to false to reproduce an old run)",
         )
-    given = set(auto or ())  # what the caller sets beside the config
+    given = set(given)
     if "exact_step_dtype" not in given:
         _differs(
             "the exact steps' precision",
@@ -167,6 +170,6 @@ def from_deepspeed_config(
     :meth:`~hf_zeroone.optim.CompressedAdamBase.set_run_length` (DeepSpeed's own defaults, a freeze
     at step 100000 and ``local_step_scaler=32678``, meant no compression in most runs).
     """
-    cls, kwargs = optimizer_kwargs(deepspeed_optimizer_section(config), auto=overrides)
+    cls, kwargs = optimizer_kwargs(deepspeed_optimizer_section(config), auto=overrides, given=overrides)
     kwargs.update(overrides)
     return cls(params, **kwargs)

@@ -218,7 +218,7 @@ def make_spec(
         spec.update(steps=steps, warmup_steps=warm, lr=args.lm_lr, batch_size=args.lm_batch_size)
         spec.update(hidden_size=args.lm_hidden_size, num_layers=args.lm_num_layers, num_heads=args.lm_num_heads)
         spec.update(max_grad_norm=args.lm_max_grad_norm, eval_size=args.lm_eval_sequences)
-    defaults = package_defaults(optimizer)
+    defaults = package_defaults(optimizer, trainer=workload == "finetune")  # fine-tuning goes through the Trainer
     if defaults is not None:  # a saved run of other defaults is run again
         spec["package_defaults"] = defaults
     return spec

@@ -240,3 +240,5 @@ def test_a_run_of_other_package_defaults_runs_again(monkeypatch):
     after = {name: suite.make_spec(args, "clm", name, Path("d"), Path("r"), 0) for name in ("onebit_adam", "adamw")}
     assert not launch.same_run(before["onebit_adam"], after["onebit_adam"])
     assert launch.same_run(before["adamw"], after["adamw"])  # AdamW takes nothing from hf_zeroone
+    finetune = suite.make_spec(args, "finetune", "zeroone_adam", Path("d"), Path("r"), 0)["package_defaults"]
+    assert finetune["trainer"]["exact_step_dtype"] == "'bfloat16'"  # built through the Trainer's arguments

@@ -88,7 +88,11 @@ def test_defaults_that_differ_from_deepspeeds_are_noted_unless_set():
     assert any("exact_step_dtype" in n for n in notes) and not any("exact_warmup_steps" in n for n in notes)
     opt, notes = _load(ZEROONE_TUTORIAL, exact_step_dtype=torch.float32, exact_warmup_steps=0)
     assert not any("exact_" in n for n in notes)
-    assert opt.exact_step_dtype is None or opt.exact_step_dtype == torch.float32
+    assert opt.exact_step_dtype == torch.float32 and opt.exact_warmup_steps == 0
+    _, notes = _load(ZEROONE_TUTORIAL, exact_warmup_steps=0)  # each option silences its own note only
+    assert any("exact_step_dtype" in n for n in notes) and not any("exact_warmup_steps" in n for n in notes)
+    _, notes = _load(ONEBIT_TUTORIAL, bias_correction=False)
+    assert not any("bias_correction" in n for n in notes)
 
 
 def test_trainer_flags_set_beside_a_deepspeed_config_silence_its_notes(tmp_path):
@@ -106,6 +110,10 @@ def test_trainer_flags_set_beside_a_deepspeed_config_silence_its_notes(tmp_path)
 
     assert sum("exact_" in n for n in notes()) == 2
     assert not any("exact_" in n for n in notes(exact_step_dtype="float32", exact_warmup_steps=0))
+    config = dict(ZEROONE_TUTORIAL, optimizer={"type": "ZeroOneAdam", "params": {"lr": 1e-3}})  # bias_correction unset
+    path.write_text(json.dumps(config))
+    assert any("bias_correction" in n for n in notes())
+    assert not any("bias_correction" in n for n in notes(onebit_bias_correction=False))
 
 
 def test_every_parameter_deepspeed_accepted_is_mapped_or_noted():

@@ -196,6 +196,8 @@ class ZeroOneArgumentsMixin:
         auto = {k: getattr(self, v) for k, v in _AUTO.items()} | {"betas": (self.adam_beta1, self.adam_beta2)}
         defaults = {f.name: f.default for f in fields(self)}
         given = [n for n in ("exact_step_dtype", "exact_warmup_steps") if getattr(self, n) != defaults[n]]
+        if self.onebit_bias_correction != defaults["onebit_bias_correction"]:
+            given.append("bias_correction")
         section = deepspeed_optimizer_section(self.from_deepspeed_config)
         cls, kwargs = optimizer_kwargs(section, auto=auto, given=given)
         self.optim_compression = next(name for name, c in _CLASSES.items() if c is cls)

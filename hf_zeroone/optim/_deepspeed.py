@@ -25,6 +25,7 @@ from typing import Any
 
 from torch import Tensor
 
+from hf_zeroone._warnings import user_stacklevel
 from hf_zeroone.optim._base import CompressedAdamBase
 from hf_zeroone.optim.onebit_adam import OneBitAdam
 from hf_zeroone.optim.zeroone_adam import ZeroOneAdam
@@ -76,11 +77,15 @@ def deepspeed_optimizer_section(config: str | os.PathLike | Mapping[str, Any]) -
 
 
 def _note(name: str, why: str) -> None:
-    warnings.warn(f"DeepSpeed config: {name} is accepted with no effect: {why}", DeepSpeedConfigNote, stacklevel=3)
+    warnings.warn(
+        f"DeepSpeed config: {name} is accepted with no effect: {why}", DeepSpeedConfigNote, stacklevel=user_stacklevel()
+    )
 
 
 def _differs(what: str, why: str) -> None:
-    warnings.warn(f"DeepSpeed config: {what} differs from DeepSpeed's: {why}", DeepSpeedConfigNote, stacklevel=3)
+    warnings.warn(
+        f"DeepSpeed config: {what} differs from DeepSpeed's: {why}", DeepSpeedConfigNote, stacklevel=user_stacklevel()
+    )
 
 
 def optimizer_kwargs(
@@ -129,18 +134,19 @@ def optimizer_kwargs(
                 )
             value = auto[name]
         kwargs[name] = tuple(value) if name == "betas" else value
+    given = set(given)
     if "bias_correction" not in kwargs or kwargs["bias_correction"]:
         kwargs.pop("bias_correction", None)  # on by default here
-        _note(
-            "bias_correction (true or unset)",
-            "DeepSpeed never applied it; hf_zeroone corrects by default (set it to false to reproduce an old run)",
-        )
-    given = set(given)
+        if "bias_correction" not in given:
+            _note(
+                "bias_correction (true or unset)",
+                "DeepSpeed never applied it; hf_zeroone corrects by default (set it to false to reproduce an old run)",
+            )
     if "exact_step_dtype" not in given:
         _differs(
             "the exact steps' precision",
-            "hf_zeroone averages their gradients in bf16 by default, half the bytes; DeepSpeed sent the training "
-            "precision (pass exact_step_dtype=torch.float32 to reproduce an old run)",
+            "hf_zeroone averages fp32 gradients in bf16 by default, half the bytes; DeepSpeed sent them in fp32 "
+            "(pass exact_step_dtype=torch.float32, or --exact_step_dtype float32, to reproduce an old run)",
         )
     if cls is ZeroOneAdam and "exact_warmup_steps" not in given:
         _differs(

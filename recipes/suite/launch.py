@@ -79,24 +79,30 @@ def code_version() -> str:
     return head.stdout.strip() + (f" + uncommitted changes in {changed} hf_zeroone file(s)" if changed else "")
 
 
-def package_defaults(optimizer: str) -> dict | None:
+def package_defaults(optimizer: str, trainer: bool = False) -> dict | None:
     """What a run of an hf_zeroone ``optimizer`` takes from the package without being told, or ``None``.
 
     Its constructor's defaults and the constants its schedule is derived from
-    (``set_run_length``). Recorded in the spec, so that a saved run made under other defaults
-    is not taken for the run asked for now (:func:`same_run`).
+    (``set_run_length``); with ``trainer``, also the defaults of the Trainer's arguments
+    (``ZeroOneArgumentsMixin``), through which the run builds it. Recorded in the spec, so that
+    a saved run made under other defaults is not taken for the run asked for now (:func:`same_run`).
     """
+    if optimizer not in ("onebit_adam", "zeroone_adam"):
+        return None
+    import dataclasses
     import inspect
 
     from hf_zeroone import OneBitAdam, ZeroOneAdam
     from hf_zeroone.optim import _schedule
 
-    cls = {"onebit_adam": OneBitAdam, "zeroone_adam": ZeroOneAdam}.get(optimizer)
-    if cls is None:
-        return None
+    cls = OneBitAdam if optimizer == "onebit_adam" else ZeroOneAdam
     params = inspect.signature(cls.__init__).parameters.values()
     out = {p.name: repr(p.default) for p in params if p.default is not inspect.Parameter.empty}
     out.update(FREEZE_PERCENT=_schedule.FREEZE_PERCENT, LOCAL_PHASE_SYNCS=_schedule.LOCAL_PHASE_SYNCS)
+    if trainer:
+        from hf_zeroone.integrations.training_args import ZeroOneArgumentsMixin
+
+        out["trainer"] = {f.name: repr(f.default) for f in dataclasses.fields(ZeroOneArgumentsMixin)}
     return out
 
 

@@ -11,7 +11,7 @@ workloads (``convergence.py``'s data and models, smaller and longer: ``--steps``
 default), every run with the same data, initialisation, linear LR schedule (10% warm-up) and
 gradient clipping:
 
-* AdamW on DDP at ``--lr`` times 0.5, 1, 2 and 4, and PowerSGD (rank 4) at 1x;
+* AdamW on DDP at ``--lr`` times 0.5, 1, 2, 4 and 8, and PowerSGD (rank 4) at 1x;
 * torchft DiLoCo (inner AdamW, outer Nesterov SGD) at ``H`` = 8, 32, 128, 500 (outer lr 0.7), and
   at ``H`` = 32 with the inner lr at 0.5x, 2x and 4x and the outer lr at 0.5 and 1.0;
 * DeMo (pytorch-optimizer) at top-k 8 and 32 of chunks of 64;
@@ -19,7 +19,10 @@ gradient clipping:
 * 1-bit Adam with its default freeze (``set_run_length``) and a freeze at 10% and 5% of the run;
 * 0/1 Adam with its defaults, with the variance frozen at 10% of the run (and at 10% and 5% with
   4x the learning rate), and with a largest sync gap of 64;
-* both at 4x the learning rate, their only knob shared with AdamW;
+* 0/1 Adam with exact steps for the first 2.5% or 5% of the run only (``exact_warmup_steps``), then
+  1-bit gradients between sparse variance steps until its freeze at 15%, 30% or 50% ("exact E%
+  freeze F%"), at several learning rates, and with fewer variance steps (``var_update_scaler=8``);
+* both at 2x and 4x the learning rate, their only knob shared with AdamW;
 * both with their exact steps in full precision (``exact_step_dtype="float32"``; the default is
   bf16), and 0/1 Adam with the paper's phase 1 (``exact_warmup_steps=0``: 1-bit gradients between
   sparse variance steps) at 1x and 4x.
@@ -78,7 +81,7 @@ class FrontierArguments:
 def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     """``(point name, method, lr multiplier, settings)`` for every point of the plot."""
     t = args.steps
-    points = [(f"adamw lr x{m:g}", "adamw", m, {}) for m in (0.5, 1, 2, 4)]
+    points = [(f"adamw lr x{m:g}", "adamw", m, {}) for m in (0.5, 1, 2, 4, 8)]
     points.append(("powersgd", "powersgd", 1, {}))
     points += [(f"diloco H={h}", "diloco", 1, {"sync_every": h}) for h in (8, 32, 128, 500)]
     points += [(f"diloco H=32 inner lr x{m:g}", "diloco", m, {"sync_every": 32}) for m in (0.5, 2, 4)]
@@ -92,6 +95,17 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     # a shorter exact phase at AdamW's best CLM learning rate: the cheapest points near its loss
     for f in (10, 5):
         points.append((f"0/1 Adam freeze {f}% lr x4", "zeroone_adam", 4, {"var_freeze_step": max(2, t * f // 100)}))
+    # exact steps only at the start, then 1-bit gradients between sparse variance steps until the freeze
+    hybrids = {(5, 30): (1, 2, 4, 8), (5, 15): (2, 4), (2.5, 15): (4,), (2.5, 30): (2, 4), (5, 50): (4,)}
+    for (e, f), m in ((ef, m) for ef, ms in hybrids.items() for m in ms):
+        settings = {"exact_warmup_steps": max(1, int(t * e / 100)), "var_freeze_step": max(2, t * f // 100)}
+        name = f"0/1 Adam exact {e:g}% freeze {f}%" + (f" lr x{m}" if m != 1 else "")
+        points.append((name, "zeroone_adam", m, settings))
+    for e in (5, 6.5):  # fewer variance steps in phase 1 pay for more exact steps
+        settings = {"exact_warmup_steps": int(t * e / 100), "var_freeze_step": t * 30 // 100, "var_update_scaler": 8}
+        points.append((f"0/1 Adam exact {e:g}% freeze 30% var scaler 8 lr x4", "zeroone_adam", 4, settings))
+    points += [(f"{n} lr x2", o, 2, {}) for n, o in (("1-bit Adam", "onebit_adam"), ("0/1 Adam", "zeroone_adam"))]
+    points.append(("0/1 Adam freeze 7.5% lr x4", "zeroone_adam", 4, {"var_freeze_step": max(2, t * 75 // 1000)}))
     points.append(("0/1 Adam gap 64", "zeroone_adam", 1, {"local_step_clipper": 64}))
     points += [("1-bit Adam lr x4", "onebit_adam", 4, {}), ("0/1 Adam lr x4", "zeroone_adam", 4, {})]
     # the papers' exact steps: full precision, and 0/1 Adam's 1-bit gradients between sparse variance steps

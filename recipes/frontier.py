@@ -21,7 +21,8 @@ gradient clipping:
   4x the learning rate), and with a largest sync gap of 64;
 * 0/1 Adam with exact steps for the first 2.5% or 5% of the run only (``exact_warmup_steps``), then
   1-bit gradients between sparse variance steps until its freeze at 15%, 30% or 50% ("exact E%
-  freeze F%"), at several learning rates, and with fewer variance steps (``var_update_scaler=8``);
+  freeze F%"), at several learning rates, and with fewer variance steps (``var_update_scaler=8``,
+  5% or 6.5% exact); and frozen at 7.5% with 4x the learning rate;
 * both at 2x and 4x the learning rate, their only knob shared with AdamW;
 * both with their exact steps in full precision (``exact_step_dtype="float32"``; the default is
   bf16), and 0/1 Adam with the paper's phase 1 (``exact_warmup_steps=0``: 1-bit gradients between

@@ -143,6 +143,13 @@ class OptimizerBooks(Optimizer):
         """The values of :attr:`schedule_params` as the schedule acts on them (what a checkpoint must match)."""
         return {name: getattr(self, name) for name in self.schedule_params}
 
+    #: schedule entries of earlier versions' checkpoints, dropped on load
+    _retired_schedule_keys: tuple[str, ...] = ()
+
+    def _saved_schedule_hyperparameters(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's :meth:`_schedule_hyperparameters`, read as this version means them."""
+        return saved
+
     # ------------------------------------------------------------------ run length and replicas
     def set_run_length(self, num_training_steps: int, warmup_steps: int = 0) -> None:
         """Derive the schedule settings left unset from the run's length, before the first step.

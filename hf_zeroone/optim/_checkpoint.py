@@ -56,17 +56,7 @@ def split_for_torch(opt: Any, state_dict: dict[str, Any]) -> tuple[dict[str, Any
         )
     if extra.get("optimizer") != name:
         raise ValueError(f"state dict was saved by {extra.get('optimizer')}, cannot load it into {name}")
-    saved = dict(extra.get("hyperparameters", {}))
-    if "exact_warmup_steps" in saved and saved["exact_warmup_steps"] is None:
-        if opt._given.get("exact_warmup_steps") is not None:  # the user chose how to resume it
-            del saved["exact_warmup_steps"]
-        else:
-            raise ValueError(
-                f"{name}: this checkpoint comes from an earlier version of hf_zeroone, whose exact_warmup_steps=None "
-                "meant 'exact while the learning rate rises'; it now means all of phase 1. Build the optimizer with "
-                "exact_warmup_steps set to the number of LR warm-up steps of that run to resume it as it was, or "
-                "start afresh."
-            )
+    saved = opt._saved_schedule_hyperparameters(dict(extra.get("hyperparameters", {})))
     mine = opt._schedule_hyperparameters()
     differing = {n: (saved[n], mine[n]) for n in mine if n in saved and saved[n] != mine[n]}
     if differing:
@@ -113,7 +103,7 @@ def split_for_torch(opt: Any, state_dict: dict[str, Any]) -> tuple[dict[str, Any
                 if key in state:
                     state[key] = state[key] != 0
             _masks.index_masked_rows(state)  # checkpoints of earlier versions have no index
-        opt.schedule = {k: v for k, v in extra["schedule"].items() if k not in ("lr_rising", "last_lrs")}
+        opt.schedule = {k: v for k, v in extra["schedule"].items() if k not in opt._retired_schedule_keys}
         # earlier versions counted each variance update as one step
         opt.schedule.setdefault("variance_steps", opt.schedule["variance_updates"])
 

@@ -254,6 +254,26 @@ class ZeroOneAdam(CompressedAdamBase):
         """As :attr:`schedule_params`, with ``exact_warmup_steps`` as it acts (``None`` is ``var_freeze_step``)."""
         return {**super()._schedule_hyperparameters(), "exact_warmup_steps": self._exact_steps()}
 
+    #: the "exact while the learning rate rises" rule of earlier versions
+    _retired_schedule_keys = ("lr_rising", "last_lrs")
+
+    def _saved_schedule_hyperparameters(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """Earlier versions saved ``exact_warmup_steps=None``, which meant "while the learning rate rises".
+
+        That cannot be compared with today's meaning: the user says how to resume it, by giving
+        ``exact_warmup_steps``, or the checkpoint is refused.
+        """
+        if "exact_warmup_steps" not in saved or saved["exact_warmup_steps"] is not None:
+            return saved
+        if self._given.get("exact_warmup_steps") is None:
+            raise ValueError(
+                f"{type(self).__name__}: this checkpoint comes from an earlier version of hf_zeroone, whose "
+                "exact_warmup_steps=None meant 'exact while the learning rate rises'; it now means all of phase 1. "
+                "Build the optimizer with exact_warmup_steps set to the number of LR warm-up steps of that run to "
+                "resume it as it was, or start afresh."
+            )
+        return {k: v for k, v in saved.items() if k != "exact_warmup_steps"}  # the user chose how to resume it
+
     def _variance_gap(self) -> int:
         """The steps since the last variance update, this one included (see ``variance_steps``)."""
         return self.schedule["steps_since_var_update"] + 1

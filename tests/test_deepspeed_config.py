@@ -116,6 +116,22 @@ def test_trainer_flags_set_beside_a_deepspeed_config_silence_its_notes(tmp_path)
     assert not any("bias_correction" in n for n in notes(onebit_bias_correction=False))
 
 
+def test_notes_point_at_the_users_line_in_both_paths(tmp_path):
+    """A note names the user's file and line, not hf_zeroone's nor a dataclass's generated ``__init__``."""
+    pytest.importorskip("transformers")
+    from hf_zeroone import ZeroOneTrainingArguments
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ZEROONE_TUTORIAL))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from_deepspeed_config(_params(), ZEROONE_TUTORIAL)
+        ZeroOneTrainingArguments(output_dir=str(tmp_path), from_deepspeed_config=str(path), report_to=[])
+    notes = [w for w in caught if issubclass(w.category, DeepSpeedConfigNote)]
+    assert len(notes) >= 4
+    assert {w.filename for w in notes} == {__file__}, sorted({w.filename for w in notes})
+
+
 def test_every_parameter_deepspeed_accepted_is_mapped_or_noted():
     params = {
         "lr": 2e-4, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1, "bias_correction": True,

@@ -150,11 +150,9 @@ def _exact(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: "Tensor 
     gradients (:mod:`hf_zeroone.optim._grad_scale`); they ride in the message's collective
     (:meth:`~hf_zeroone.comm.Communicator.allreduce_mean_async`).
     """
-    dtype = opt.exact_step_dtype
-    # fp32 buckets only (fp16 and bf16 ones go as they are), and only when something is sent
-    convert = dtype is not None and buffer.dtype == torch.float32 and opt.comm.is_distributed
-    message = buffer.to(dtype) if convert and dtype != buffer.dtype else buffer
-    fut = opt.comm.allreduce_mean_async(message, lane, lane_in_bf16=dtype is torch.bfloat16)
+    dtype = opt.exact_message_dtype(buffer.dtype)
+    message = buffer.to(dtype) if dtype != buffer.dtype and opt.comm.is_distributed else buffer
+    fut = opt.comm.allreduce_mean_async(message, lane, lane_in_bf16=opt.exact_step_dtype is torch.bfloat16)
     if message is buffer and lane is None:
         return fut
 

@@ -25,10 +25,11 @@ def _opt(name, params, **kw):
     )
 
 
-def _equivalence(rank, world, extra=None):
+def _equivalence(rank, world, extra=None, model_dtype=None):
     """Single bucket: hook path == optimizer path, bit for bit; exact phase == DDP without hook.
 
-    ``extra``: keyword arguments for both optimizers (e.g. ``exact_step_dtype``).
+    ``extra``: keyword arguments for both optimizers (e.g. ``exact_step_dtype``); ``model_dtype``:
+    both models and their inputs cast to it (e.g. ``torch.bfloat16``).
     """
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -39,15 +40,17 @@ def _equivalence(rank, world, extra=None):
 
     out = {}
     data = batches(rank, 30)
+    if model_dtype is not None:
+        data = [(x.to(model_dtype), y.to(model_dtype)) for x, y in data]
     for name in ("onebit", "zeroone"):
-        ma = make_model()
+        ma = make_model() if model_dtype is None else make_model().to(model_dtype)
         ddp = DDP(ma, bucket_cap_mb=100)
         # DDP's single bucket holds the parameters in reverse order: give the optimizer path the same.
         oa = _opt(name, list(ddp.parameters())[::-1], **(extra or {}))
         register_zeroone_hook(ddp, oa)
-        mb = make_model()
+        mb = make_model() if model_dtype is None else make_model().to(model_dtype)
         ob = _opt(name, list(mb.parameters())[::-1], **(extra or {}))
-        diffs, kinds, stats = [], [], []
+        diffs, kinds, stats, step_stats = [], [], [], []
         for x, y in data:
             oa.zero_grad()
             loss_fn(ddp, x, y).backward()
@@ -58,14 +61,16 @@ def _equivalence(rank, world, extra=None):
             diffs.append(bool(torch.equal(flat_params(ma), flat_params(mb))))
             kinds.append(oa.last_step_kind.value)
             stats.append(oa.last_step_stats.as_dict())
+            step_stats.append(ob.last_step_stats.as_dict())
         out[name] = {
             "equal": diffs,
             "kinds": kinds,
             "stats": stats,
+            "step_stats": step_stats,
             "numel": sum(p.numel() for p in ma.parameters()),
         }
 
-    if extra:
+    if extra or model_dtype is not None:
         return out
     # Exact phase: gradients after the hook equal those of DDP without a hook.
     m1, m2 = make_model(), make_model()
@@ -295,6 +300,21 @@ def test_compressed_steps_do_not_depend_on_the_loss_scale():
         assert kind in runs[0][0][name][0]
         for res in runs:  # scaling by powers of two is exact, so the runs agree bit for bit
             assert torch.equal(res[0][name][1], reference) and torch.equal(res[1][name][1], reference), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exact_step_dtype", [None, "bfloat16"])
+def test_a_bf16_model_hook_equals_step_and_sends_the_same_bytes(exact_step_dtype):
+    """bf16 parameters: the hook and ``step()`` agree bit for bit and send the same bytes, every step kind.
+
+    DDP's bucket is bf16, so the hook hands the 1-bit momentum's implied gradient back in bf16 and
+    sends an exact step as it is; ``step()`` rounds and sends the same.
+    """
+    res = run_ranks(_equivalence, 2, {"exact_step_dtype": exact_step_dtype}, torch.bfloat16, timeout=200)[0]
+    for name, compressed in (("onebit", "onebit_momentum"), ("zeroone", "onebit_gradient")):
+        assert {"exact", compressed} <= set(res[name]["kinds"]), res[name]["kinds"]
+        assert all(res[name]["equal"]), (name, list(zip(res[name]["kinds"], res[name]["equal"])))
+        assert res[name]["stats"] == res[name]["step_stats"], name
 
 
 @pytest.fixture(scope="module")

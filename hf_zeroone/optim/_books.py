@@ -69,7 +69,7 @@ class OptimizerBooks(Optimizer):
         exact_step_dtype: torch.dtype | str | None = torch.bfloat16,
     ) -> None:
         _check_int("check_replicas_every", check_replicas_every, 0)
-        #: what exact steps send their gradients in (None: fp32 in step(), the bucket's dtype in the hook)
+        #: what exact steps send fp32 gradients in (None: as they are); see :meth:`exact_message_dtype`
         self.exact_step_dtype = check_exact_step_dtype(exact_step_dtype)
         check_adam_arguments(lr, betas, eps, weight_decay)
         defaults = dict(
@@ -218,6 +218,15 @@ class OptimizerBooks(Optimizer):
                 f"a parameter of shape {tuple(p.shape)} is not managed by this {type(self).__name__}; "
                 "pass all trainable parameters of the model to the optimizer"
             ) from None
+
+    def exact_message_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:
+        """The dtype an exact step averages a bucket of ``bucket_dtype`` in, on the hook's path and in ``step()``.
+
+        ``exact_step_dtype`` applies to float32 buckets; fp16 and bf16 buckets go as they are, as
+        DDP sends them, and so does every bucket when it is ``None``.
+        """
+        dtype = self.exact_step_dtype
+        return dtype if dtype is not None and bucket_dtype == torch.float32 else bucket_dtype
 
     def grouped(self, params: Sequence[Tensor], values: Sequence[Any]) -> list[tuple[dict[str, Any], list, list]]:
         """``(group, params, values)`` per parameter group of ``params``, in order of first appearance."""

@@ -44,9 +44,9 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
             message, views = flat.new_message(), flat.views
             message[flat.layout.numel :].zero_()
         else:
-            # as the hook sends a bucket: in exact_step_dtype unless a gradient is fp16
-            low = any(p.dtype == torch.float16 for p in params)
-            dtype = opt.exact_step_dtype if opt.exact_step_dtype is not None and not low else torch.float32
+            # as the hook sends DDP's bucket, whose dtype is its parameters'
+            dtypes = {p.dtype for p in params}
+            dtype = opt.exact_message_dtype(dtypes.pop() if len(dtypes) == 1 else torch.float32)
             message = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
             views = functools.partial(consecutive_views, params)
         opt.messages.write(kind, params, grads, views(message))
@@ -59,9 +59,12 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
         combined_views = views(combined)
         opt.messages.finish(kind, params, combined_views, lane)
         if kind is StepKind.ONEBIT_MOMENTUM:
-            # back into the combined buffer, as the hook's result would be after an unclipped step:
-            # both paths then agree bit for bit
-            combined_views = [v.copy_(opt.messages.undo_norm_proxy(p, v)) for p, v in zip(params, combined_views)]
+            # back into the combined buffer, as the hook's result would be after an unclipped step,
+            # rounded first to the parameter's dtype as DDP's bucket rounds it: both paths then agree
+            # bit for bit
+            combined_views = [
+                v.copy_(opt.messages.undo_norm_proxy(p, v.to(p.dtype))) for p, v in zip(params, combined_views)
+            ]
         results += [(group, p, view) for (group, p), view in zip(bucket, combined_views)]
     return results
 

@@ -23,6 +23,8 @@ gradient clipping:
   1-bit gradients between sparse variance steps until its freeze at 15%, 30% or 50% ("exact E%
   freeze F%"), at several learning rates, and with fewer variance steps (``var_update_scaler=8``,
   5% or 6.5% exact); and frozen at 7.5% with 4x the learning rate;
+* the same with 5% exact and the freeze at 30%, and a largest sync gap (``local_step_clipper``)
+  of 1, 2, 4 or 8 instead of 16 ("gap G"; 1: a 1-bit sync at every local-phase step);
 * both at 2x and 4x the learning rate, their only knob shared with AdamW;
 * both with their exact steps in full precision (``exact_step_dtype="float32"``; the default is
   bf16), and 0/1 Adam with the paper's phase 1 (``exact_warmup_steps=0``: 1-bit gradients between
@@ -102,6 +104,11 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
         settings = {"exact_warmup_steps": max(1, int(t * e / 100)), "var_freeze_step": max(2, t * f // 100)}
         name = f"0/1 Adam exact {e:g}% freeze {f}%" + (f" lr x{m}" if m != 1 else "")
         points.append((name, "zeroone_adam", m, settings))
+    # a smaller largest sync gap than the default 16 (1: a sync every local-phase step); a sync costs 1/32 of
+    # an fp32 step
+    for g, m in ((1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (8, 4)):
+        settings = {"exact_warmup_steps": t // 20, "var_freeze_step": t * 30 // 100, "local_step_clipper": g}
+        points.append((f"0/1 Adam exact 5% freeze 30% gap {g} lr x{m}", "zeroone_adam", m, settings))
     for e in (5, 6.5):  # fewer variance steps in phase 1 pay for more exact steps
         settings = {"exact_warmup_steps": int(t * e / 100), "var_freeze_step": t * 30 // 100, "var_update_scaler": 8}
         points.append((f"0/1 Adam exact {e:g}% freeze 30% var scaler 8 lr x4", "zeroone_adam", 4, settings))

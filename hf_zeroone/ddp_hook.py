@@ -144,7 +144,7 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
 
 
 def _exact(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: "Tensor | None", scale: "Tensor | None"):  # noqa: ANN202
-    """Average the bucket (in ``exact_step_dtype`` when one is set) and its exact lane, the scale samples.
+    """Average the bucket (an fp32 one in ``exact_step_dtype`` when one is set) and its exact lane, the scale samples.
 
     The samples of the local gradients and of the averaged ones measure the noise excess of local
     gradients (:mod:`hf_zeroone.optim._grad_scale`); they ride in the message's collective

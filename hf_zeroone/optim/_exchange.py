@@ -36,7 +36,10 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
     if not opt.comm.is_distributed:
         return _single_process(opt, kind, pairs)
     results: list[Update] = []
-    for bucket in split_in_buckets(pairs, opt.step_bucket_numel):  # one bucket's message at a time
+    buckets = split_in_buckets(pairs, opt.step_bucket_numel)
+    if not kind.compressed:  # an exact message has one dtype, as each of DDP's buckets has
+        buckets = [run for bucket in buckets for run in _runs_of_one_dtype(bucket)]
+    for bucket in buckets:  # one bucket's message at a time
         params = [p for _, p in bucket]
         grads = [p.grad for p in params]
         if kind.compressed:
@@ -45,8 +48,7 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
             message[flat.layout.numel :].zero_()
         else:
             # as the hook sends DDP's bucket, whose dtype is its parameters'
-            dtypes = {p.dtype for p in params}
-            dtype = opt.exact_message_dtype(dtypes.pop() if len(dtypes) == 1 else torch.float32)
+            dtype = opt.exact_message_dtype(params[0].dtype)
             message = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
             views = functools.partial(consecutive_views, params)
         opt.messages.write(kind, params, grads, views(message))
@@ -59,12 +61,11 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
         combined_views = views(combined)
         opt.messages.finish(kind, params, combined_views, lane)
         if kind is StepKind.ONEBIT_MOMENTUM:
-            # back into the combined buffer, as the hook's result would be after an unclipped step,
-            # rounded first to the parameter's dtype as DDP's bucket rounds it: both paths then agree
-            # bit for bit
-            combined_views = [
-                v.copy_(opt.messages.undo_norm_proxy(p, v.to(p.dtype))) for p, v in zip(params, combined_views)
-            ]
+            # as the hook's result would be after an unclipped step: handed back in the parameter's
+            # dtype (DDP's bucket), then the norm proxy undone; both paths then agree bit for bit.
+            # Kept in the combined buffer where the dtypes agree (fp32 parameters).
+            undone = [opt.messages.undo_norm_proxy(p, v.to(p.dtype)) for p, v in zip(params, combined_views)]
+            combined_views = [v.copy_(u) if u.dtype == v.dtype else u for v, u in zip(combined_views, undone)]
         results += [(group, p, view) for (group, p), view in zip(bucket, combined_views)]
     return results
 
@@ -99,3 +100,14 @@ def _single_process(opt: Any, kind: StepKind, pairs: list[tuple[dict[str, Any], 
         used = [p for _, p, _ in results]
         opt.grad_scale.record(used, opt.messages.scale_samples(used, [p.grad for p in used]))
     return results
+
+
+def _runs_of_one_dtype(bucket: list[tuple[dict[str, Any], Tensor]]) -> list[list[tuple[dict[str, Any], Tensor]]]:
+    """``bucket`` cut, in order, into runs of parameters of one dtype."""
+    runs: list[list[tuple[dict[str, Any], Tensor]]] = []
+    for item in bucket:
+        if runs and runs[-1][-1][1].dtype == item[1].dtype:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs

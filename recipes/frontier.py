@@ -16,6 +16,8 @@ gradient clipping:
   at ``H`` = 32 with the inner lr at 0.5x, 2x and 4x and the outer lr at 0.5 and 1.0;
 * DeMo (pytorch-optimizer) at top-k 8 and 32 of chunks of 64;
 * torch's post-local SGD (AdamW, parameters averaged every 4, 16 or 64 steps after the warm-up);
+* PowerSGD, DeMo (top-k 8 and 32) and post-local SGD (period 16) also at 2x and 4x the learning
+  rate, and DeMo top-k 8 at 8x;
 * 1-bit Adam with its default freeze (``set_run_length``) and a freeze at 10% and 5% of the run;
 * 0/1 Adam with its defaults, with the variance frozen at 10% of the run (and at 10% and 5% with
   4x the learning rate), and with a largest sync gap of 64;
@@ -91,6 +93,12 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     points += [(f"diloco H=32 outer lr {o:g}", "diloco", 1, {"sync_every": 32, "outer_lr": o}) for o in (0.5, 1.0)]
     points += [(f"demo top-k {k}", "demo", 1, {"compression_top_k": k}) for k in (8, 32)]
     points += [(f"post-local SGD period {p}", "post_local_sgd", 1, {"period": p}) for p in (4, 16, 64)]
+    # the peers whose learning rate is AdamW's: at AdamW's best ones too (2x on MLM, 4x on CLM)
+    for m in (2, 4):
+        points.append((f"powersgd lr x{m}", "powersgd", m, {}))
+        points += [(f"demo top-k {k} lr x{m}", "demo", m, {"compression_top_k": k}) for k in (8, 32)]
+        points.append((f"post-local SGD period 16 lr x{m}", "post_local_sgd", m, {"period": 16}))
+    points.append(("demo top-k 8 lr x8", "demo", 8, {"compression_top_k": 8}))  # better at 4x than 2x on both
     points.append(("1-bit Adam default", "onebit_adam", 1, {}))
     points += [(f"1-bit Adam freeze {f}%", "onebit_adam", 1, {"freeze_step": max(1, t * f // 100)}) for f in (10, 5)]
     points.append(("0/1 Adam default", "zeroone_adam", 1, {}))

@@ -9,6 +9,7 @@ every 0/1 Adam sync).
 from __future__ import annotations
 
 import functools
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
     results: list[Update] = []
     buckets = split_in_buckets(pairs, opt.step_bucket_numel)
     if not kind.compressed:  # an exact message has one dtype, as each of DDP's buckets has
-        buckets = [run for bucket in buckets for run in _runs_of_one_dtype(bucket)]
+        buckets = [list(run) for bucket in buckets for _, run in groupby(bucket, key=lambda item: item[1].dtype)]
     for bucket in buckets:  # one bucket's message at a time
         params = [p for _, p in bucket]
         grads = [p.grad for p in params]
@@ -100,14 +101,3 @@ def _single_process(opt: Any, kind: StepKind, pairs: list[tuple[dict[str, Any], 
         used = [p for _, p, _ in results]
         opt.grad_scale.record(used, opt.messages.scale_samples(used, [p.grad for p in used]))
     return results
-
-
-def _runs_of_one_dtype(bucket: list[tuple[dict[str, Any], Tensor]]) -> list[list[tuple[dict[str, Any], Tensor]]]:
-    """``bucket`` cut, in order, into runs of parameters of one dtype."""
-    runs: list[list[tuple[dict[str, Any], Tensor]]] = []
-    for item in bucket:
-        if runs and runs[-1][-1][1].dtype == item[1].dtype:
-            runs[-1].append(item)
-        else:
-            runs.append([item])
-    return runs

@@ -267,19 +267,26 @@ class OptimizerBooks(Optimizer):
     def _compute_denominators(
         self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float
     ) -> list[Tensor]:
-        factors = None
-        if self.follow_gradient_scale and kind.frozen_variance:
-            states = [self.state[p] for p in params]
-            factors = _grad_scale.factors(
-                states,
-                group["betas"][1],
-                self.variance_steps(),
-                self.schedule.get("scale_samples", 0),
-                group["bias_correction"],
-            )
-            if not self.clip_to_variance:  # unclipped samples: v may only shrink (see ._grad_scale)
-                factors = [None if f is None else f.clamp(max=1.0) for f in factors]
+        factors = self.scale_factors(group, params) if kind.frozen_variance else None
         return F.denominators([self.state[p]["exp_avg_sq"] for p in params], c2, group["eps"], factors)
+
+    def scale_factors(self, group: dict[str, Any], params: Sequence[Tensor]) -> list[Tensor | None] | None:
+        """``follow_gradient_scale``'s factor ``f`` of a frozen ``v`` per parameter (``None``: the option is off).
+
+        The denominators of a frozen variance are ``sqrt(v f / c2) + eps`` (:mod:`._grad_scale`).
+        """
+        if not self.follow_gradient_scale:
+            return None
+        factors = _grad_scale.factors(
+            [self.state[p] for p in params],
+            group["betas"][1],
+            self.variance_steps(),
+            self.schedule.get("scale_samples", 0),
+            group["bias_correction"],
+        )
+        if not self.clip_to_variance:  # unclipped samples: v may only shrink (see ._grad_scale)
+            factors = [None if f is None else f.clamp(max=1.0) for f in factors]
+        return factors
 
     def plain_denominators(
         self, group: dict[str, Any], params: Sequence[Tensor], c2: float

@@ -77,7 +77,9 @@ def displacement_is_derived(p: Tensor, state: dict[str, Any], out: Tensor) -> bo
     return "update_accumulator" not in state and p.dtype == out.dtype
 
 
-def per_lr_units(states: list[dict[str, Any]]) -> list[float]:
+def per_lr_units(
+    states: list[dict[str, Any]], scale_factors: list[Tensor | None] | None = None
+) -> list[float] | list[Tensor]:
     """The divisor of each ``u`` in a sync's 1-bit message: the learning rate summed over the interval.
 
     ``u / sum(lr)`` is the interval's mean update per unit of learning rate (``m / (c1 d)``
@@ -89,8 +91,25 @@ def per_lr_units(states: list[dict[str, Any]]) -> list[float]:
     up to 150 learning rates per step at the end, and the run ended 4.9% above AdamW's loss with a
     sync at every step (1-bit Adam, at the same schedule: +0.1%). A parameter with no learning
     rate over the interval (``sum(lr) = 0``) is sent as it is.
+
+    ``scale_factors``: ``follow_gradient_scale``'s factor ``f`` of each tensor (``None``: none), by
+    which the local steps' denominators ``d = sqrt(v f / c2) + eps`` moved away from the frozen
+    ``v``'s. The divisor is then ``sum(lr) / sqrt(f)``: the message is ``m / (c1 d)`` with the
+    *frozen* ``d``, units that stay put while ``v`` is frozen, as 1-bit Adam's do. In units that
+    follow ``f`` an error kept at one sync is paid back at the next in units that have moved, and
+    error feedback no longer sums to the exact average: on the least-squares test whose gradient
+    scale falls 100x after the freeze (``tests/test_convergence_defaults.py``, 2 ranks, seeds 0-2)
+    0/1 Adam ended 1.19-1.20x AdamW's loss with a sync at every step (1-bit Adam: 1.01-1.02x) and
+    1.35-1.37x with its default sync gaps; in frozen units 1.01-1.02x and 1.03-1.06x. Returns 0-dim
+    float32 tensors then.
     """
-    return [st["lr_sum"] if st["lr_sum"] > 0 else 1.0 for st in states]
+    lr_sums = [st["lr_sum"] if st["lr_sum"] > 0 else 1.0 for st in states]
+    if scale_factors is None or all(f is None for f in scale_factors):
+        return lr_sums
+    device = next(f.device for f in scale_factors if f is not None)
+    ones = torch.ones((), dtype=torch.float32, device=device)
+    factors = torch.stack([ones if f is None else f.to(torch.float32) for f in scale_factors])
+    return list((torch.tensor(lr_sums, dtype=torch.float32, device=device) / factors.sqrt()).unbind())
 
 
 def apply_sync(

@@ -92,8 +92,8 @@ class Messages:
         if kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
             states = [state[p] for p in params]
             _local_phase.displacements(params, states, outs)
-            if units:  # per unit of learning rate: see _local_phase.per_lr_units
-                torch._foreach_div_(list(outs), _local_phase.per_lr_units(states))
+            if units:  # per unit of learning rate, in the frozen variance's units: see _local_phase.per_lr_units
+                torch._foreach_div_(list(outs), self.sync_units(params))
             return
         for p, g in zip(params, grads):  # ONEBIT_GRADIENT, ONEBIT_MOMENTUM
             _masks.note_activity(state[p], g)
@@ -148,6 +148,14 @@ class Messages:
                 start = int(state.get("server_error_start", 0))
                 convert([server], [d.reshape(-1)[start : start + server.numel()]], stats.means)
             self.opt.variance_views.release([p])
+
+    def sync_units(self, params: Sequence[Tensor]) -> list[float] | list[Tensor]:
+        """The divisor of each parameter's sync message (:func:`._local_phase.per_lr_units`), in order."""
+        opt = self.opt
+        factors: dict[int, Tensor | None] = {}
+        for group, ps, _ in opt.grouped(params, params):
+            factors.update(zip(map(id, ps), opt.scale_factors(group, ps) or [None] * len(ps)))
+        return _local_phase.per_lr_units([opt.state[p] for p in params], [factors[id(p)] for p in params])
 
     def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
         """Samples of ``follow_gradient_scale`` from local gradients (:func:`._grad_scale.scale_samples`), in order."""
@@ -206,7 +214,7 @@ class Messages:
                 dens, stats = opt.plain_denominators(group, ps, opt._coefficients(group, kind)[1])
                 F.from_update_units(vs, dens, stats.means)
         if kind is StepKind.ONEBIT_SYNC:  # out of the units of write()
-            torch._foreach_mul_(list(views), _local_phase.per_lr_units([opt.state[p] for p in params]))
+            torch._foreach_mul_(list(views), self.sync_units(params))
         rest = lane
         if kind is StepKind.ONEBIT_MOMENTUM:
             for group, ps, vs in opt.grouped(params, views):

@@ -3,10 +3,54 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
+
+
+def _scalar_operand(tensors: Sequence[Tensor], value: float) -> float | Tensor:
+    """``value`` in the form a CPU multi-tensor op over ``tensors`` takes fastest, with the same result.
+
+    On CPU ``torch._foreach_mul_(ts, 0.5)`` runs one operation per tensor, each wrapping the number
+    in a new tensor first (about 3 us: most of the call's cost on a model's many small tensors). A
+    0-dim tensor made once gives bit for bit the same results on float32 and float64 lists (the
+    kernels read it in the same precision as the number). Other dtypes (a 0-dim float32 operand
+    rounds differently against bf16 and fp16) and other devices (one kernel for the whole list)
+    get the number as it is.
+    """
+    if not tensors or tensors[0].device.type != "cpu":
+        return value
+    dtype = tensors[0].dtype
+    if dtype not in (torch.float32, torch.float64) or any(t.dtype != dtype for t in tensors):
+        return value
+    return torch.tensor(value, dtype=dtype)
+
+
+def mul_scalar(tensors: Sequence[Tensor], value: float) -> list[Tensor]:
+    """``t * value`` for every tensor (new tensors; ``torch._foreach_mul``, see :func:`_scalar_operand`)."""
+    tensors = list(tensors)
+    return list(torch._foreach_mul(tensors, _scalar_operand(tensors, value)))
+
+
+def mul_scalar_(tensors: Sequence[Tensor], value: float) -> None:
+    """``t *= value`` for every tensor, in place (``torch._foreach_mul_``, see :func:`_scalar_operand`)."""
+    tensors = list(tensors)
+    torch._foreach_mul_(tensors, _scalar_operand(tensors, value))
+
+
+def div_scalar_(tensors: Sequence[Tensor], value: float) -> None:
+    """``t /= value`` for every tensor, in place (``torch._foreach_div_``, see :func:`_scalar_operand`)."""
+    tensors = list(tensors)
+    torch._foreach_div_(tensors, _scalar_operand(tensors, value))
+
+
+def add_scalar_(tensors: Sequence[Tensor], value: float) -> None:
+    """``t += value`` for every tensor, in place (``torch._foreach_add_``, see :func:`_scalar_operand`)."""
+    tensors = list(tensors)
+    operand = _scalar_operand(tensors, value)
+    # a list of one 0-dim tensor: torch's overload taking a single tensor is slower on CPU for add
+    torch._foreach_add_(tensors, operand if isinstance(operand, float) else [operand] * len(tensors))
 
 
 def all_finite(tensors: Iterable[Tensor]) -> bool:

@@ -127,3 +127,28 @@ def test_through_the_hook_on_two_ranks_reusing_them_changes_no_bit(cls_name, kwa
     fresh, _ = run_ranks(_train_two_ranks, 2, cls_name, kwargs, False)[0]
     assert len(kinds) >= 2, kinds  # the frozen-variance kinds were reached
     assert all(torch.equal(a, b) for a, b in zip(cached, fresh))
+
+
+def test_scale_samples_count_exactly_the_elements_at_or_above_the_idle_floor():
+    """The samples' definition, element by element: an element exactly at the floor takes part."""
+    from hf_zeroone.optim import _grad_scale
+
+    gen = torch.Generator().manual_seed(0)
+    dens = [torch.rand(n, generator=gen) + 0.5 for n in (7, 300, 1000)]
+    dens[1][:40] = 1e-4  # idle: far below a tenth of the mean
+    for _ in range(20):  # five elements exactly at the floor (active), which moves the mean a little
+        means, counts, idle = _grad_scale.sample_statistics(dens)
+        floor = means[2] * _grad_scale.IDLE_BELOW
+        if torch.equal(dens[2][:5], floor.expand(5)):
+            break
+        dens[2][:5] = floor
+    assert torch.equal(dens[2][:5], floor.expand(5))
+    grads = [torch.randn(d.shape, generator=gen) for d in dens]
+    want = []
+    for g, d, mean, count in zip(grads, dens, means, counts):
+        active = d >= mean * _grad_scale.IDLE_BELOW
+        want.append(((g[active] / d[active]) ** 2).sum() / count)
+    assert counts.tolist() == [7, 260, 1000]
+    for flags in (None, idle.tolist()):  # every tensor masked, or only those with idle elements
+        got = _grad_scale.scale_samples(grads, dens, means, counts, flags)
+        torch.testing.assert_close(got, torch.stack(want), rtol=1e-6, atol=0)

@@ -234,7 +234,7 @@ class CompressedAdamBase(OptimizerBooks):
             lr, wd = group["lr"], group["weight_decay"]
             c1, c2 = self._coefficients(group, kind)
             decay = 1.0 - lr * wd if group["decoupled_weight_decay"] else 1.0
-            grads = [v if v.dtype == p.dtype else v.to(p.dtype) for p, v in zip(params, values)]
+            grads = F.as_dtypes(values, params)
             dens = None
             if local:  # the local gradient meets the frozen variance here (the 1-bit kinds clip in their messages)
                 dens = self._denominators(group, params, kind, c2)

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_zeroone._tensors import add_scalar_, div_scalar_, mul_scalar, mul_scalar_
+
 __all__ = [
     "adam_update",
     "by_group",
@@ -73,22 +75,27 @@ def denominators(
     """
     out = list(torch._foreach_sqrt(list(exp_avg_sqs)))
     if factors is None or all(f is None for f in factors):
-        torch._foreach_div_(out, math.sqrt(c2))
+        div_scalar_(out, math.sqrt(c2))
     else:
         plain = [d for d, f in zip(out, factors) if f is None]
         if plain:
-            torch._foreach_div_(plain, math.sqrt(c2))
+            div_scalar_(plain, math.sqrt(c2))
         scaled = [(d, f) for d, f in zip(out, factors) if f is not None]
         multipliers = torch.stack([f for _, f in scaled]).div_(c2).sqrt_()  # one computation for all tensors
         dtype = scaled[0][0].dtype
         torch._foreach_mul_([d for d, _ in scaled], list(multipliers.to(dtype).unbind()))
-    torch._foreach_add_(out, eps)
+    add_scalar_(out, eps)
     return out
 
 
 def as_dtype(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
     """``tensors`` in ``dtype``, each converted only where it is not already (no call per tensor otherwise)."""
     return [t if t.dtype == dtype else t.to(dtype) for t in tensors]
+
+
+def as_dtypes(tensors: Sequence[Tensor], like: Sequence[Tensor]) -> list[Tensor]:
+    """Each tensor in the dtype of its partner in ``like``, converted only where it differs."""
+    return [t if t.dtype == other.dtype else t.to(other.dtype) for t, other in zip(tensors, like)]
 
 
 def adam_update(
@@ -109,10 +116,10 @@ def adam_update(
     params, grads, exp_avgs = list(params), list(grads), list(exp_avgs)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     if update_variance:
-        torch._foreach_mul_(list(exp_avg_sqs), beta2)
+        mul_scalar_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(list(exp_avg_sqs), grads, grads, value=1.0 - beta2)
     if decay != 1.0:
-        torch._foreach_mul_(params, decay)
+        mul_scalar_(params, decay)
     dens = make_denominators()
     torch._foreach_addcdiv_(params, exp_avgs, dens, value=-lr / c1)
     return dens
@@ -175,11 +182,7 @@ def clip_to_variance(grads: Sequence[Tensor], dens: Sequence[Tensor], beta2: flo
     Adam's own steps have, and every 1-bit message in update units stays bounded.
     """
     grads = list(grads)
-    bounds = list(
-        torch._foreach_mul(
-            [d if d.dtype == g.dtype else d.to(g.dtype) for g, d in zip(grads, dens)], variance_bound(beta2)
-        )
-    )
+    bounds = mul_scalar(as_dtypes(dens, grads), variance_bound(beta2))
     out = list(torch._foreach_minimum(grads, bounds))
     torch._foreach_neg_(bounds)
     torch._foreach_maximum_(out, bounds)

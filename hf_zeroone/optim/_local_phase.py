@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from hf_zeroone._tensors import all_finite
-from hf_zeroone.optim._functional import by_group
+from hf_zeroone.optim._functional import as_dtypes, by_group
 from hf_zeroone.optim._step_kind import StepKind
 
 __all__ = [
@@ -120,7 +120,7 @@ def apply_sync(
     ``p = decay_prod * sync_param - u`` and the momentum is re-estimated from ``u``,
     ``m = c1 * d * u / sum(lr)``, with ``d`` from ``dens``; for all tensors of one group at once.
     """
-    us = [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(params, combined_u)]
+    us = as_dtypes(combined_u, params)
     torch._foreach_copy_(params, [st["sync_param"] for st in states])
     _scale_unless_one(params, [float(st["decay_prod"]) for st in states])
     torch._foreach_sub_(params, us)

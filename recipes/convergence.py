@@ -87,6 +87,15 @@ class SuiteArguments:
             "True) on clm, mlm and lsq; finetune runs through ZeroOneTrainer, which keeps the default."
         },
     )
+    settings: str = field(
+        default="",
+        metadata={
+            "help": "A JSON object of keyword arguments for 1-bit and 0/1 Adam on clm, mlm and lsq (a diagnostic: "
+            "the suite's goals are about the defaults), e.g. '{\"clip_to_variance\": false}'. "
+            "'{\"exact_messages\": true}' averages their 1-bit messages exactly in fp32 instead (the variance "
+            "still frozen): what compression costs apart from the freeze. Use its own --output_dir."
+        },
+    )
     clm_lengths: str = field(default="200,400,800", metadata={"help": "clm_lengths: comma-separated run lengths."})
     length_seeds: str = field(default="0,1,2,3", metadata={"help": "clm_lengths: comma-separated seeds."})
     weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay, the same for every optimizer."})
@@ -197,6 +206,19 @@ def prepare_finetune_data(args: SuiteArguments, out: Path, seed: int) -> Path:
     return data
 
 
+def check_settings(text: str) -> None:
+    """``--settings`` must be a JSON object (checked before any run starts)."""
+    if not text:
+        return
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        example = '{"clip_to_variance": false}'
+        raise SystemExit(f"--settings is not valid JSON ({err}); give an object, e.g. '{example}'") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"--settings must be a JSON object of keyword arguments, got {text!r}")
+
+
 def make_spec(
     args: SuiteArguments, workload: str, optimizer: str, data: Path, run_dir: Path, seed: int, steps: int | None = None
 ) -> dict:
@@ -218,6 +240,8 @@ def make_spec(
         spec.update(steps=steps, warmup_steps=warm, lr=args.lm_lr, batch_size=args.lm_batch_size)
         spec.update(hidden_size=args.lm_hidden_size, num_layers=args.lm_num_layers, num_heads=args.lm_num_heads)
         spec.update(max_grad_norm=args.lm_max_grad_norm, eval_size=args.lm_eval_sequences)
+    if args.settings and optimizer in ("onebit_adam", "zeroone_adam") and workload != "finetune":
+        spec["settings"] = {**spec.get("settings", {}), **json.loads(args.settings)}
     defaults = package_defaults(optimizer, trainer=workload == "finetune")  # fine-tuning goes through the Trainer
     if defaults is not None:  # a saved run of other defaults is run again
         spec["package_defaults"] = defaults
@@ -242,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     argv = sys.argv[1:] if argv is None else argv
     (args,) = HfArgumentParser(SuiteArguments).parse_args_into_dataclasses(argv)
+    check_settings(args.settings)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", "recipes/convergence.py", *argv])  # quoted: copied into a shell, it runs as it ran

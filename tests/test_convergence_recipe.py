@@ -242,3 +242,34 @@ def test_a_run_of_other_package_defaults_runs_again(monkeypatch):
     assert launch.same_run(before["adamw"], after["adamw"])  # AdamW takes nothing from hf_zeroone
     finetune = suite.make_spec(args, "finetune", "zeroone_adam", Path("d"), Path("r"), 0)["package_defaults"]
     assert finetune["trainer"]["exact_step_dtype"] == "'bfloat16'"  # built through the Trainer's arguments
+
+
+def _quick_onebit_lsq(out: Path, *extra: str) -> dict:
+    cmd = [sys.executable, str(RECIPES / "convergence.py"), "--quick", "--workloads", "lsq", "--lsq_nproc", "2"]
+    cmd += ["--optimizers", "onebit_adam", "--output_dir", str(out), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((out / "results.json").read_text())["results"]["lsq"]["onebit_adam"]
+
+
+@pytest.mark.slow
+def test_settings_reach_the_optimizer_and_exact_messages_send_fp32(tmp_path):
+    """--settings: a diagnostic row; exact messages separate compression's cost from the freeze's."""
+    default = _quick_onebit_lsq(tmp_path / "default")
+    exact = _quick_onebit_lsq(tmp_path / "exact", "--settings", '{"exact_messages": true, "clip_to_variance": false}')
+    spec = json.loads(next((tmp_path / "exact" / "runs").rglob("spec.json")).read_text())
+    assert spec["settings"]["exact_messages"] is True and spec["settings"]["clip_to_variance"] is False
+    assert exact["replicas_equal"] and math.isfinite(exact["metric"])
+    # the same steps and schedule, but the compressed steps' messages go as fp32 allreduces: more bytes
+    assert exact["steps"] == default["steps"] and exact["rounds"] < default["rounds"]
+    assert exact["bytes"] > default["bytes"]
+    assert exact["metric"] != default["metric"]
+
+
+def test_settings_that_are_not_a_json_object_stop_the_suite_before_any_run(tmp_path):
+    suite = _load_suite()
+    for bad in ("{bad", "[1]"):
+        with pytest.raises(SystemExit, match="--settings"):
+            suite.main(["--settings", bad, "--output_dir", str(tmp_path)])
+    assert not (tmp_path / "runs").exists()

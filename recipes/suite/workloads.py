@@ -55,10 +55,30 @@ def make_optimizer(name: str, params, spec: dict) -> torch.optim.Optimizer:  # n
         common["follow_gradient_scale"] = False  # off, asked for on the command line
     settings = dict(spec.get("settings") or {})
     if name in OURS:
+        if settings.pop("exact_messages", False):
+            settings["communicator"] = exact_messages_communicator()
         opt = (OneBitAdam if name == "onebit_adam" else ZeroOneAdam)(params, **common, **settings)
         opt.set_run_length(spec["steps"], spec["warmup_steps"])  # what the README tells a user
         return opt
     return torch.optim.AdamW(params, **common)
+
+
+def exact_messages_communicator():  # noqa: ANN201 - an hf_zeroone.comm.Communicator
+    """A diagnostic communicator: the 1-bit messages averaged exactly (fp32) instead of compressed.
+
+    Everything else stays as the optimizer runs it (the frozen variance, its scale, clipping, the
+    schedule), so a row with ``--settings '{"exact_messages": true}'`` separates what compression
+    costs from what the freeze costs. Bytes are counted as fp32 allreduces.
+    """
+    from hf_zeroone.comm import Communicator
+
+    class ExactMessages(Communicator):
+        def compressed_allreduce_async(self, buffer, worker_error, server_error, layout, exact=None):  # noqa: ANN001, ANN202
+            if not self.is_distributed:
+                return super().compressed_allreduce_async(buffer, worker_error, server_error, layout, exact)
+            return self.allreduce_mean_async(buffer, exact).then(lambda fut: fut.value() * layout.mask)
+
+    return ExactMessages()
 
 
 def build_method(spec: dict, model: torch.nn.Module, world: int) -> Method:

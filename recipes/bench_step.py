@@ -9,8 +9,9 @@ optimizer, set up so that every timed step is of that kind::
     python recipes/bench_step.py                       # CPU, a 24-layer BERT of width 64 (400+ tensors)
     python recipes/bench_step.py --device cuda --fused # on a GPU, also against AdamW(fused=True)
 
-Prints a markdown table (median milliseconds per step, and the ratio to AdamW). Machines are
-shared and noisy: the ratios inside one run are the figure, not the milliseconds.
+Prints a markdown table (median milliseconds per step, the ratio to AdamW, and the range of that
+ratio over the rounds). Machines are shared and noisy: the ratios inside one run are the figure,
+not the milliseconds, and a difference smaller than the range is noise.
 """
 
 from __future__ import annotations
@@ -96,19 +97,33 @@ def main() -> None:
     baselines = {"AdamW(foreach=True)": lambda: torch.optim.AdamW(params, lr=1e-3, foreach=True)}
     if args.fused:
         baselines["AdamW(fused=True)"] = lambda: torch.optim.AdamW(params, lr=1e-3, fused=True)
-    timings: dict[str, list[float]] = {}
+    rounds: list[dict[str, list[float]]] = []
     for _ in range(args.rounds):  # interleaved, so a noisy stretch of the machine hits every row
+        timings: dict[str, list[float]] = {}
         for name, make in baselines.items():
-            timings.setdefault(name, []).extend(time_steps(make(), params, 2, args.steps))
+            timings[name] = time_steps(make(), params, 2, args.steps)
         for name, (cls, kw, before) in PHASES.items():
             opt = cls(params, lr=1e-3, **kw)
-            timings.setdefault(name, []).extend(time_steps(opt, params, before, args.steps))
-    reference = statistics.median(timings["AdamW(foreach=True)"])
-    print("| step | median ms | vs AdamW(foreach=True) |")
-    print("|---|---:|---:|")
-    for name, values in timings.items():
-        median = statistics.median(values)
-        print(f"| {name} | {1e3 * median:.2f} | {median / reference:.2f}x |")
+            timings[name] = time_steps(opt, params, before, args.steps)
+        rounds.append(timings)
+    print(table(rounds))
+
+
+def table(rounds: list[dict[str, list[float]]]) -> str:
+    """Markdown: each row's median over all rounds, its ratio to AdamW, and the range of the per-round ratios.
+
+    The range shows the machine's noise: a difference between two rows smaller than it is not a
+    measurement.
+    """
+    base = "AdamW(foreach=True)"
+    lines = [f"| step | median ms | vs {base} | per-round range |", "|---|---:|---:|---:|"]
+    reference = statistics.median([t for r in rounds for t in r[base]])
+    for name in rounds[0]:
+        median = statistics.median([t for r in rounds for t in r[name]])
+        per_round = [statistics.median(r[name]) / statistics.median(r[base]) for r in rounds]
+        spread = f"{min(per_round):.2f}-{max(per_round):.2f}x"
+        lines.append(f"| {name} | {1e3 * median:.2f} | {median / reference:.2f}x | {spread} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -65,3 +65,46 @@ def test_a_one_step_spike_on_one_rank_is_contained(runs):
     typical = torch.tensor(calm["moves"][FREEZE:]).median()
     assert spiked["moves"][SPIKE_AT] < 3 * typical, (spiked["moves"][SPIKE_AT], typical)
     assert spiked["eval"] < 1.1 * calm["eval"], (spiked["eval"], calm["eval"])
+
+
+def _seen_over_averaged_norm(rank, world, follow_gradient_scale):
+    """Per 1-bit momentum step: the norm clipping sees, over the norm of the exactly averaged gradient."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone import OneBitAdam
+    from hf_zeroone.ddp_hook import register_zeroone_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 8)
+    ddp = DDP(model)
+    opt = OneBitAdam(ddp.parameters(), lr=1e-3, freeze_step=20, follow_gradient_scale=follow_gradient_scale)
+    register_zeroone_hook(ddp, opt)
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(100 + rank)
+    ratios = []
+    for _ in range(60):
+        x = torch.randn(4, 64, generator=gen)
+        y = x @ w.T + 3.0 * torch.randn(4, 8, generator=gen)  # small noisy batches: local gradients mostly noise
+        local = torch.autograd.grad(torch.nn.functional.mse_loss(model(x), y), list(model.parameters()))
+        averaged = torch.cat([g.reshape(-1) for g in local])
+        dist.all_reduce(averaged)
+        averaged /= world
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        seen = torch.nn.utils.clip_grad_norm_(ddp.parameters(), float("inf"))
+        opt.step()
+        if opt.last_step_kind.value == "onebit_momentum":
+            ratios.append(float(seen / averaged.norm()))
+    return ratios
+
+
+@pytest.mark.slow
+def test_clipping_sees_about_the_averaged_gradients_norm_as_with_adamw():
+    """Not the local gradients' larger norm: that clipped 1-bit Adam where AdamW was not (CLM +1.3%)."""
+    ours = torch.tensor(run_ranks(_seen_over_averaged_norm, 2, True, timeout=180)[0]).median()
+    assert 0.8 < ours < 1.2, ours
+    # without the noise excess (follow_gradient_scale off, which measures it) the local norms show
+    local = torch.tensor(run_ranks(_seen_over_averaged_norm, 2, False, timeout=180)[0]).median()
+    assert local > 1.25, local

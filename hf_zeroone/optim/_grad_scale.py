@@ -250,14 +250,26 @@ class GradientScale:
         return state.get(_P, torch.zeros((), dtype=torch.float32, device=like.device))
 
     @staticmethod
+    def noise_excess(states: Sequence[dict[str, Any]], beta2: float, schedule: dict[str, Any]) -> Tensor | None:
+        """``rho`` of each tensor (bias-corrected, float32): how much a local sample exceeds the averaged one.
+
+        Measured on the exact steps of several ranks before the freeze (:meth:`_restart`); ``None``
+        unless every tensor of ``states`` has it (one rank, the option off, or no such step yet).
+        """
+        noise = schedule.get("noise_samples", 0)
+        if not noise or not all(_R in st for st in states):
+            return None
+        return torch.stack([st[_R] for st in states]) / (1.0 - beta2**noise)
+
+    @staticmethod
     def _update(
         group: dict[str, Any], states: list[dict[str, Any]], q: Tensor, schedule: dict[str, Any], steps: int
     ) -> None:
         """``G <- beta2^k G + (1 - beta2^k) q / (rho c_K)`` for ``k = steps`` steps of mean sample ``q``."""
         beta2 = group["betas"][1]
-        noise = schedule.get("noise_samples", 0)
-        if noise and all(_R in st for st in states):  # a local gradient is noisier than the average
-            q = q / (torch.stack([st[_R] for st in states]).to(q.device) / (1.0 - beta2**noise))
+        rho = GradientScale.noise_excess(states, beta2, schedule)
+        if rho is not None:  # a local gradient is noisier than the average
+            q = q / rho.to(q.device)
         q = q / _correction(beta2, schedule["variance_steps"], group["bias_correction"])
         decay = beta2**steps
         current = [st[_G] for st in states]

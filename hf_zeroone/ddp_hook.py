@@ -24,10 +24,11 @@ Trainer clips between backward and ``step()``):
 * ``ONEBIT_GRADIENT``: the 1-bit averaged gradient, identical on every rank;
 * ``ONEBIT_MOMENTUM``: the averaged gradient implied by the combined momentum
   (:meth:`hf_zeroone.optim._messages.Messages.finish`), identical on every rank,
-  rescaled per tensor to a gradient-sized norm (:meth:`~hf_zeroone.optim.CompressedAdamBase.norm_proxy`:
-  the root mean square over ranks of the local gradient norms; one extra float per tensor is
-  averaged per bucket); ``step()`` divides the factor out, so clipping scales only this step's
-  gradient contribution to the momentum;
+  rescaled per tensor to an estimate of the averaged gradient's norm, the norm AdamW's clipping
+  would see (:meth:`hf_zeroone.optim._messages.Messages.finish`: the local squared norms averaged
+  over ranks, one extra float per tensor per bucket, over the local gradients' noise excess);
+  ``step()`` divides the factor out, so clipping scales only this step's gradient contribution
+  to the momentum;
 * ``LOCAL`` and ``ONEBIT_SYNC``: the local gradient; clipping uses the local norm (the update
   is local until the sync, which averages what the clipped local steps accumulated).
 

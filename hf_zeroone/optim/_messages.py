@@ -25,11 +25,13 @@ For ``ONEBIT_MOMENTUM`` the combined momentum ``m'`` is turned into the gradient
 ``g = (m' - beta1 * m) / (1 - beta1)``, identical on every rank; ``m <- beta1 * m + (1 - beta1) * g``
 then gives back ``m'``. That ``g`` carries the 1-bit compression noise times ``1 / (1 - beta1)``:
 its norm can be 10-20 times the true gradient's, and a clipping threshold meant for gradients
-would cut every step. So ``g`` is handed on rescaled, per tensor, to the root mean square over
-ranks of the local gradients' norms (exact: one float per tensor, averaged alongside); ``step()``
-divides the factor out again. Unclipped, the step reproduces ``m'``; clipped by ``s``, the step's
-gradient contribution is ``s * g``, so clipping sees a gradient-sized norm and still damps a real
-spike. On every other step that communicates, ``p.grad`` after a DDP hook is an averaged gradient.
+would cut every step. So ``g`` is handed on rescaled, per tensor, to an estimate of the averaged
+gradient's norm: the mean over ranks of the local squared norms (exact: one float per tensor,
+averaged alongside), divided by the local gradients' noise excess that the exact steps measured
+(``Messages._averaged_sq_norms``); ``step()`` divides the factor out again. Unclipped, the step
+reproduces ``m'``; clipped by ``s``, the step's gradient contribution is ``s * g``, so clipping
+sees a gradient-sized norm and still damps a real spike. On every other step that communicates,
+``p.grad`` after a DDP hook is an averaged gradient.
 """
 
 from __future__ import annotations

@@ -259,13 +259,17 @@ class Messages:
         1), it estimates what AdamW's clipping sees. Without ``rho`` (one rank,
         ``follow_gradient_scale=False``), the mean itself.
         """
-        opt, out = self.opt, local_mean.clone()
+        opt = self.opt
+        divisors: list[Tensor | None] = [None] * len(params)
         for group, ps, index in opt.grouped(params, range(len(params))):
             rho = _grad_scale.GradientScale.noise_excess([opt.state[p] for p in ps], group["betas"][1], opt.schedule)
             if rho is not None:
-                at = torch.tensor(index, device=out.device)
-                out[at] = local_mean[at] / rho.to(out.device).clamp(min=1.0)
-        return out
+                for i, value in zip(index, rho.clamp(min=1.0).unbind()):
+                    divisors[i] = value
+        if all(d is None for d in divisors):
+            return local_mean
+        one = torch.ones((), dtype=local_mean.dtype, device=local_mean.device)  # stacked on the device: no host copy
+        return local_mean / torch.stack([one if d is None else d.to(local_mean.device) for d in divisors])
 
     def undo_norm_proxy(self, p: Tensor, value: Tensor) -> Tensor:
         """The implied gradient back from what :meth:`finish` handed on (and clipping left).

@@ -29,8 +29,11 @@ Trainer clips between backward and ``step()``):
   over ranks, one extra float per tensor per bucket, over the local gradients' noise excess);
   ``step()`` divides the factor out, so clipping scales only this step's gradient contribution
   to the momentum;
-* ``LOCAL`` and ``ONEBIT_SYNC``: the local gradient; clipping uses the local norm (the update
-  is local until the sync, which averages what the clipped local steps accumulated).
+* ``LOCAL`` and ``ONEBIT_SYNC``: the local gradient, divided per tensor by the square root of
+  its noise excess (:meth:`hf_zeroone.optim._messages.Messages.hand_on_local_gradients`), so that
+  clipping sees about the averaged gradient's norm, as AdamW's would, and not the larger local
+  one; ``step()`` scales it back. The update is local until the sync, which averages what the
+  clipped local steps accumulated.
 
 With fp16 gradients a GradScaler skips the step when it finds inf/NaN, and every rank must skip
 together. Steps that communicate in backward already agree (a non-finite value on one rank reaches
@@ -58,6 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hf_zeroone._tensors import non_finite_flag
 from hf_zeroone.optim import CompressedAdamBase, StepKind
+from hf_zeroone.optim._flat import consecutive_views
 
 __all__ = ["ZeroOneHookState", "register_zeroone_hook", "zeroone_hook"]
 
@@ -108,6 +112,9 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     opt.communicated_step = opt.schedule["step"]
     buffer = bucket.buffer()
     if not kind.communicates_in_backward:
+        # each local gradient over its noise excess: clipping sees an averaged-gradient-sized norm
+        params = bucket.parameters()
+        opt.messages.hand_on_local_gradients(params, consecutive_views(params, buffer), in_place=True)
         check = state.overflow_check_on_local_steps
         if check or (check is None and buffer.dtype == torch.float16):
             return _agree_on_overflow(opt, buffer)
@@ -162,11 +169,7 @@ def _exact(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: "Tensor 
         if averaged is not buffer:
             buffer.copy_(averaged)  # what step() applies: the rounded average, in the bucket's dtype
         if lane is not None:
-            views, offset = [], 0
-            for p in params:
-                views.append(buffer[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-            opt.messages.finish(StepKind.EXACT, params, views, lane, loss_scale=scale)
+            opt.messages.finish(StepKind.EXACT, params, consecutive_views(params, buffer), lane, loss_scale=scale)
         return buffer
 
     return fut.then(record)

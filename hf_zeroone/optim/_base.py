@@ -153,7 +153,13 @@ class CompressedAdamBase(OptimizerBooks):
             updates = exchange(self, kind)
         else:  # the hook's results, or local gradients
             updates = [(g, p, p.grad) for g, p in self.trainable_params() if p.grad is not None]
-            if kind is StepKind.ONEBIT_MOMENTUM and hook_done:
+            local = kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
+            if local and not hook_done:  # as the hook hands them on: both paths agree bit for bit
+                values = self.messages.hand_on_local_gradients(
+                    [p for _, p, _ in updates], [v for _, _, v in updates], in_place=False
+                )
+                updates = [(g, p, v) for (g, p, _), v in zip(updates, values)]
+            if local or (kind is StepKind.ONEBIT_MOMENTUM and hook_done):
                 updates = [(g, p, self.messages.undo_norm_proxy(p, v)) for g, p, v in updates]
         self.messages.contain_spikes()
         for _, _, value in updates:

@@ -66,8 +66,8 @@ class Messages:
     def __init__(self, optimizer: Any) -> None:  # noqa: ANN401 - a CompressedAdamBase
         self.opt = optimizer
         #: per parameter, the factor :meth:`finish` applied to this step's implied gradient
-        #: and the norm it handed on
-        self.norm_proxy_factors: dict[Tensor, tuple[Tensor, Tensor]] = {}
+        #: and the norm it handed on (``None``: a local gradient, :meth:`hand_on_local_gradients`)
+        self.norm_proxy_factors: dict[Tensor, tuple[Tensor, Tensor | None]] = {}
         #: per parameter, the fraction of the handed-on norm that clipping left (see contain_spikes)
         self._clip_fractions: list[tuple[Tensor, Tensor]] = []
         #: per parameter, the mean over ranks of the local samples summed since the last sync
@@ -259,20 +259,60 @@ class Messages:
         1), it estimates what AdamW's clipping sees. Without ``rho`` (one rank,
         ``follow_gradient_scale=False``), the mean itself.
         """
-        opt = self.opt
-        divisors: list[Tensor | None] = [None] * len(params)
-        for group, ps, index in opt.grouped(params, range(len(params))):
-            rho = _grad_scale.GradientScale.noise_excess([opt.state[p] for p in ps], group["betas"][1], opt.schedule)
-            if rho is not None:
-                for i, value in zip(index, rho.clamp(min=1.0).unbind()):
-                    divisors[i] = value
+        divisors = self._noise_excesses(params)
         if all(d is None for d in divisors):
             return local_mean
         one = torch.ones((), dtype=local_mean.dtype, device=local_mean.device)  # stacked on the device: no host copy
         return local_mean / torch.stack([one if d is None else d.to(local_mean.device) for d in divisors])
 
+    def _noise_excesses(self, params: Sequence[Tensor]) -> list[Tensor | None]:
+        """Per parameter, its local gradients' noise excess ``rho`` (at least 1), ``None`` where none was measured.
+
+        :meth:`._grad_scale.GradientScale.noise_excess`: measured on the exact steps of several
+        ranks when ``follow_gradient_scale`` is on.
+        """
+        opt = self.opt
+        out: list[Tensor | None] = [None] * len(params)
+        for group, ps, index in opt.grouped(params, range(len(params))):
+            rho = _grad_scale.GradientScale.noise_excess([opt.state[p] for p in ps], group["betas"][1], opt.schedule)
+            if rho is not None:
+                for i, value in zip(index, rho.clamp(min=1.0).unbind()):
+                    out[i] = value
+        return out
+
+    def hand_on_local_gradients(
+        self, params: Sequence[Tensor], grads: Sequence[Tensor], in_place: bool
+    ) -> list[Tensor]:
+        """A local step's gradients as the user's clipping should see them: each divided by ``sqrt(rho)``.
+
+        On 0/1 Adam's ``LOCAL`` and ``ONEBIT_SYNC`` steps each rank steps on its own gradient.
+        AdamW's clipping sees the averaged gradient, whose norm is smaller, by the noise that
+        averaging removes: the user's threshold, meant for that norm, met the local one and cut
+        steps that AdamW's would have left alone (on the suite's CLM run with ``max_grad_norm=1``,
+        most of the local phase's). Each local gradient is handed on divided by the square root of
+        its tensor's noise excess (:meth:`_noise_excesses`), so that its squared norm estimates the
+        averaged gradient's, as on 1-bit Adam's momentum steps; :meth:`undo_norm_proxy` multiplies
+        it back, so that, unclipped, the step applies the local gradient, and clipped by ``s``,
+        ``s`` times it. Without ``rho`` (one rank, ``follow_gradient_scale=False``) nothing changes.
+
+        The DDP hook scales its bucket's views in place; ``step()`` without the hook scales new
+        tensors (``in_place=False``, the user's ``p.grad`` untouched), so both paths agree bit for
+        bit. Each factor is kept in its gradient's dtype: the round trip then loses at most the
+        last bits.
+        """
+        out = list(grads)
+        for i, (p, g, rho) in enumerate(zip(params, grads, self._noise_excesses(params))):
+            if rho is None:
+                continue
+            factor = rho.rsqrt().to(device=g.device, dtype=g.dtype)
+            out[i] = g.mul_(factor) if in_place else g * factor
+            self.norm_proxy_factors[p] = (factor, None)
+        return out
+
     def undo_norm_proxy(self, p: Tensor, value: Tensor) -> Tensor:
-        """The implied gradient back from what :meth:`finish` handed on (and clipping left).
+        """The implied gradient back from what :meth:`finish` handed on (and clipping left), or the local one.
+
+        A local gradient (:meth:`hand_on_local_gradients`) is only scaled back.
 
         If clipping cut it to less than ``_SPIKE_CLIP`` of its norm (a spike, not the routine
         clipping of a run whose gradients hover above the threshold), the error-feedback buffers
@@ -286,9 +326,10 @@ class Messages:
         if entry is None:
             return value
         factor, handed_norm = entry
-        clipped = torch.linalg.vector_norm(value.float()) / handed_norm
-        self.opt.grad_scale.note_kept(p, kept_fraction(clipped))
-        self._clip_fractions.append((p, clipped))
+        if handed_norm is not None:  # an implied gradient, not a local one (hand_on_local_gradients)
+            clipped = torch.linalg.vector_norm(value.float()) / handed_norm
+            self.opt.grad_scale.note_kept(p, kept_fraction(clipped))
+            self._clip_fractions.append((p, clipped))
         return value / factor.to(value.dtype)
 
     def contain_spikes(self) -> None:

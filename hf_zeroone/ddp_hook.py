@@ -21,14 +21,14 @@ What ``p.grad`` holds after backward, by step kind, which is what gradient clipp
 Trainer clips between backward and ``step()``):
 
 * ``EXACT``: the averaged gradient, as with plain DDP;
-* ``ONEBIT_GRADIENT`` and ``ONEBIT_MOMENTUM``: the 1-bit averaged gradient, or the averaged
-  gradient implied by the combined momentum
+* ``ONEBIT_GRADIENT``: the 1-bit averaged gradient, identical on every rank;
+* ``ONEBIT_MOMENTUM``: the averaged gradient implied by the combined momentum
   (:meth:`hf_zeroone.optim._messages.Messages.finish`), identical on every rank,
   rescaled per tensor to an estimate of the averaged gradient's norm, the norm AdamW's clipping
   would see (:meth:`hf_zeroone.optim._messages.Messages.finish`: the local squared norms averaged
   over ranks, one extra float per tensor per bucket, over the local gradients' noise excess);
   ``step()`` divides the factor out, so clipping scales only this step's gradient contribution
-  to the momentum (the compressed values' own norm is mostly compression noise);
+  to the momentum;
 * ``LOCAL`` and ``ONEBIT_SYNC``: the local gradient, divided per tensor by the square root of
   its noise excess (:meth:`hf_zeroone.optim._messages.Messages.hand_on_local_gradients`), so that
   clipping sees about the averaged gradient's norm, as AdamW's would, and not the larger local
@@ -129,8 +129,8 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     message, n = flat.new_message(), flat.layout.numel
     message[n:].zero_()
     opt.messages.write(kind, params, grads, flat.views(message))
-    # Exactly averaged beside the 1-bit message, in the same two collectives: on 1-bit gradient and
-    # momentum steps the local squared norms (gradient-sized norms for clipping) and the gradient's scale
+    # Exactly averaged beside the 1-bit message, in the same two collectives: on 1-bit momentum
+    # steps the local squared norms (gradient-sized norms for clipping) and the gradient's scale
     # (hf_zeroone.optim._grad_scale); on every 1-bit step the flags of masked rows that moved.
     lane = opt.messages.lane(kind, params, grads)
     fut = opt.comm.compressed_allreduce_async(message, flat.worker_error, flat.server_error, flat.layout, lane)

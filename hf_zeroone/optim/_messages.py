@@ -30,10 +30,8 @@ gradient's norm: the mean over ranks of the local squared norms (exact: one floa
 averaged alongside), divided by the local gradients' noise excess that the exact steps measured
 (``Messages._averaged_sq_norms``); ``step()`` divides the factor out again. Unclipped, the step
 reproduces ``m'``; clipped by ``s``, the step's gradient contribution is ``s * g``, so clipping
-sees a gradient-sized norm and still damps a real spike. ``ONEBIT_GRADIENT``'s combined gradient
-is handed on the same way: its own norm, compression noise included, was about 1.7x the averaged
-gradient's on a noisy regression (``tests/test_clipping.py``). On exact steps ``p.grad`` after a
-DDP hook is the averaged gradient; on local ones, :meth:`Messages.hand_on_local_gradients`.
+sees a gradient-sized norm and still damps a real spike. On every other step that communicates,
+``p.grad`` after a DDP hook is an averaged gradient.
 """
 
 from __future__ import annotations
@@ -178,8 +176,8 @@ class Messages:
     def lane(self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor | None:
         """The floats a ``kind`` step averages exactly beside the messages of ``params`` (its exact lane), or ``None``.
 
-        In this order: on 1-bit gradient and momentum steps each local gradient's squared norm
-        (clipping sees gradient-sized norms, see :meth:`finish`); on 1-bit gradient and momentum steps, and on exact
+        In this order: on 1-bit momentum steps each local gradient's squared norm (clipping sees
+        gradient-sized norms, see :meth:`finish`); on 1-bit gradient and momentum steps, and on exact
         steps of several ranks, when ``follow_gradient_scale`` is on, its samples (:mod:`._grad_scale`);
         on compressed steps,
         one flag per masked row of ``params``, 1 where this rank's gradients touched it since the
@@ -208,8 +206,8 @@ class Messages:
         """Turn the combined ``views`` into what the step applies, in place; ``lane``: the averaged :meth:`lane`.
 
         Compressed results leave the update units of :meth:`write`. A 1-bit momentum becomes the
-        gradient it implies (:func:`._functional.implied_gradients`); that, or a 1-bit gradient, is
-        rescaled to an estimate of the averaged gradient's norm from the local norms (:meth:`_averaged_sq_norms`,
+        gradient it implies (:func:`._functional.implied_gradients`), rescaled to an estimate of the
+        averaged gradient's norm from the local norms (:meth:`_averaged_sq_norms`,
         :func:`._functional.norm_proxy_factors`), so that clipping sees the norm AdamW's would;
         :meth:`undo_norm_proxy` divides the factor out.
         On exact steps of several ranks, the samples of the local gradients (in ``lane``) and of the

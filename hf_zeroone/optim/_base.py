@@ -159,7 +159,7 @@ class CompressedAdamBase(OptimizerBooks):
                     [p for _, p, _ in updates], [v for _, _, v in updates], in_place=False
                 )
                 updates = [(g, p, v) for (g, p, _), v in zip(updates, values)]
-            if local or (kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM) and hook_done):
+            if local or (kind is StepKind.ONEBIT_MOMENTUM and hook_done):
                 updates = [(g, p, self.messages.undo_norm_proxy(p, v)) for g, p, v in updates]
         self.messages.contain_spikes()
         for _, _, value in updates:

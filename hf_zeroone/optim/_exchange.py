@@ -61,7 +61,7 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
         del message  # the compressed allreduce's scratch: freed before the next bucket
         combined_views = views(combined)
         opt.messages.finish(kind, params, combined_views, lane)
-        if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):
+        if kind is StepKind.ONEBIT_MOMENTUM:
             # as the hook's result would be after an unclipped step: handed back in the parameter's
             # dtype (DDP's bucket), then the norm proxy undone; both paths then agree bit for bit.
             # Kept in the combined buffer where the dtypes agree (fp32 parameters).

@@ -54,9 +54,6 @@ __all__ = ["Messages"]
 _SPIKE_CLIP = 0.1
 #: the error-feedback buffers a spike is removed from
 _ERROR_BUFFERS = ("worker_error", "server_error")
-#: the kinds whose combined result is handed on rescaled to an estimate of the averaged gradient's
-#: norm (see Messages.finish): their own norm is mostly compression noise
-_NORM_PROXY_KINDS = (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM)
 
 
 class Messages:
@@ -184,7 +181,7 @@ class Messages:
         last agreement (:mod:`._masks`). Call it after :meth:`write` (which notes that activity).
         """
         parts = []
-        if kind in _NORM_PROXY_KINDS:
+        if kind is StepKind.ONEBIT_MOMENTUM:
             parts.append(F.local_sq_norms(grads))
         if self.opt.follow_gradient_scale and (
             kind.communicates_in_backward and (kind.compressed or self.opt.comm.is_distributed)
@@ -225,7 +222,6 @@ class Messages:
         if kind is StepKind.ONEBIT_MOMENTUM:
             for group, ps, vs in opt.grouped(params, views):
                 F.implied_gradients([opt.state[p]["exp_avg"] for p in ps], vs, group["betas"][0])
-        if kind in _NORM_PROXY_KINDS:
             for p, entry in zip(params, F.norm_proxy_factors(views, self._averaged_sq_norms(params, rest[:n]))):
                 self.norm_proxy_factors[p] = entry
             rest = rest[n:]

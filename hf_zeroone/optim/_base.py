@@ -160,7 +160,8 @@ class CompressedAdamBase(OptimizerBooks):
                 )
                 updates = [(g, p, v) for (g, p, _), v in zip(updates, values)]
             if local or (kind is StepKind.ONEBIT_MOMENTUM and hook_done):
-                updates = [(g, p, self.messages.undo_norm_proxy(p, v)) for g, p, v in updates]
+                values = self.messages.undo_norm_proxies([p for _, p, _ in updates], [v for _, _, v in updates])
+                updates = [(g, p, v) for (g, p, _), v in zip(updates, values)]
         self.messages.contain_spikes()
         for _, _, value in updates:
             if value.is_sparse:

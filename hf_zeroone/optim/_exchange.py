@@ -65,7 +65,7 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
             # as the hook's result would be after an unclipped step: handed back in the parameter's
             # dtype (DDP's bucket), then the norm proxy undone; both paths then agree bit for bit.
             # Kept in the combined buffer where the dtypes agree (fp32 parameters).
-            undone = [opt.messages.undo_norm_proxy(p, v.to(p.dtype)) for p, v in zip(params, combined_views)]
+            undone = opt.messages.undo_norm_proxies(params, [v.to(p.dtype) for p, v in zip(params, combined_views)])
             combined_views = [v.copy_(u) if u.dtype == v.dtype else u for v, u in zip(combined_views, undone)]
         results += [(group, p, view) for (group, p), view in zip(bucket, combined_views)]
     return results

@@ -10,7 +10,7 @@ during backward, and ``step()``'s own exchange (:mod:`._exchange`). For every ki
    collectives (per-tensor squared norms, the samples of ``follow_gradient_scale``, mask flags);
 3. after the collective, :meth:`Messages.finish`: results out of update units, a 1-bit momentum
    turned into a gradient-sized implied gradient (``step()`` takes it back with
-   :meth:`Messages.undo_norm_proxy`), the samples recorded, the masked rows agreed.
+   :meth:`Messages.undo_norm_proxies`), the samples recorded, the masked rows agreed.
 
 The 1-bit kinds ``ONEBIT_GRADIENT`` and ``ONEBIT_MOMENTUM`` clip each local gradient to the
 frozen variance (:func:`._functional.clip_to_variance`) and send their message in units of the
@@ -50,10 +50,18 @@ from hf_zeroone.optim._step_kind import StepKind
 __all__ = ["Messages"]
 
 #: clipping that keeps less than this fraction of 1-bit Adam's implied gradient is treated as a
-#: spike: the error buffers are scaled with it (see Messages.undo_norm_proxy)
+#: spike: the error buffers are scaled with it (see Messages.undo_norm_proxies)
 _SPIKE_CLIP = 0.1
 #: the error-feedback buffers a spike is removed from
 _ERROR_BUFFERS = ("worker_error", "server_error")
+
+
+def _in_dtypes(factors: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The 0-dim factors of ``factors`` (a vector), each in the dtype and on the device of its tensor."""
+    first = tensors[0]
+    if all(t.dtype == first.dtype and t.device == first.device for t in tensors):  # one conversion
+        return list(factors.to(device=first.device, dtype=first.dtype).unbind())
+    return [f.to(device=t.device, dtype=t.dtype) for f, t in zip(factors.unbind(), tensors)]
 
 
 class Messages:
@@ -206,7 +214,7 @@ class Messages:
         gradient it implies (:func:`._functional.implied_gradients`), rescaled to an estimate of the
         averaged gradient's norm from the local norms (:meth:`_averaged_sq_norms`,
         :func:`._functional.norm_proxy_factors`), so that clipping sees the norm AdamW's would;
-        :meth:`undo_norm_proxy` divides the factor out.
+        :meth:`undo_norm_proxies` divides the factor out.
         On exact steps of several ranks, the samples of the local gradients (in ``lane``) and of the
         averaged ones (``views``, divided by ``loss_scale`` when a GradScaler scaled them) measure the
         local gradients' noise excess (see :mod:`._grad_scale`).
@@ -291,7 +299,7 @@ class Messages:
         steps that AdamW's would have left alone (on the suite's CLM run with ``max_grad_norm=1``,
         most of the local phase's). Each local gradient is handed on divided by the square root of
         its tensor's noise excess (:meth:`_noise_excesses`), so that its squared norm estimates the
-        averaged gradient's, as on 1-bit Adam's momentum steps; :meth:`undo_norm_proxy` multiplies
+        averaged gradient's, as on 1-bit Adam's momentum steps; :meth:`undo_norm_proxies` multiplies
         it back, so that, unclipped, the step applies the local gradient, and clipped by ``s``,
         ``s`` times it. Without ``rho`` (one rank, ``follow_gradient_scale=False``) nothing changes.
 
@@ -301,39 +309,55 @@ class Messages:
         last bits.
         """
         out = list(grads)
-        for i, (p, g, rho) in enumerate(zip(params, grads, self._noise_excesses(params))):
-            if rho is None:
-                continue
-            factor = rho.rsqrt().to(device=g.device, dtype=g.dtype)
-            out[i] = g.mul_(factor) if in_place else g * factor
-            self.norm_proxy_factors[p] = (factor, None)
+        rhos = self._noise_excesses(params)
+        index = [i for i, rho in enumerate(rhos) if rho is not None]
+        if not index:
+            return out
+        chosen = [grads[i] for i in index]
+        factors = _in_dtypes(torch.stack([rhos[i] for i in index]).rsqrt(), chosen)
+        if in_place:
+            torch._foreach_mul_(chosen, factors)
+            scaled = chosen
+        else:
+            scaled = torch._foreach_mul(chosen, factors)
+        for i, value, factor in zip(index, scaled, factors):
+            out[i] = value
+            self.norm_proxy_factors[params[i]] = (factor, None)
         return out
 
-    def undo_norm_proxy(self, p: Tensor, value: Tensor) -> Tensor:
-        """The implied gradient back from what :meth:`finish` handed on (and clipping left), or the local one.
+    def undo_norm_proxies(self, params: Sequence[Tensor], values: Sequence[Tensor]) -> list[Tensor]:
+        """Each implied gradient back from what :meth:`finish` handed on (and clipping left), or each local one.
 
-        A local gradient (:meth:`hand_on_local_gradients`) is only scaled back.
+        A local gradient (:meth:`hand_on_local_gradients`) is only scaled back. A parameter without
+        a factor this step keeps its value.
 
-        If clipping cut it to less than ``_SPIKE_CLIP`` of its norm (a spike, not the routine
-        clipping of a run whose gradients hover above the threshold), the error-feedback buffers
-        of ``p`` are scaled by the same factor: they hold the rest of this step's message, and the
-        spike left there would otherwise flow into the next steps' messages, past the clipping.
-        Routine clipping leaves them alone: scaling them on every step discards the compression
-        residuals error feedback needs. The fraction is noted here and acted on by
-        :meth:`contain_spikes`, which reads all of a step's fractions on the host at once.
+        If clipping cut an implied gradient to less than ``_SPIKE_CLIP`` of its norm (a spike, not
+        the routine clipping of a run whose gradients hover above the threshold), the
+        error-feedback buffers of its parameter are scaled by the same factor: they hold the rest
+        of this step's message, and the spike left there would otherwise flow into the next steps'
+        messages, past the clipping. Routine clipping leaves them alone: scaling them on every step
+        discards the compression residuals error feedback needs. The fraction is noted here and
+        acted on by :meth:`contain_spikes`, which reads all of a step's fractions on the host at once.
         """
-        entry = self.norm_proxy_factors.pop(p, None)
-        if entry is None:
-            return value
-        factor, handed_norm = entry
-        if handed_norm is not None:  # an implied gradient, not a local one (hand_on_local_gradients)
-            clipped = torch.linalg.vector_norm(value.float()) / handed_norm
-            self.opt.grad_scale.note_kept(p, kept_fraction(clipped))
-            self._clip_fractions.append((p, clipped))
-        return value / factor.to(value.dtype)
+        out, index, factors = list(values), [], []
+        for i, (p, value) in enumerate(zip(params, values)):
+            entry = self.norm_proxy_factors.pop(p, None)
+            if entry is None:
+                continue
+            factor, handed_norm = entry
+            if handed_norm is not None:  # an implied gradient, not a local one (hand_on_local_gradients)
+                clipped = torch.linalg.vector_norm(value.float()) / handed_norm
+                self.opt.grad_scale.note_kept(p, kept_fraction(clipped))
+                self._clip_fractions.append((p, clipped))
+            index.append(i)
+            factors.append(factor.to(value.dtype))
+        if index:
+            for i, value in zip(index, torch._foreach_div([values[i] for i in index], factors)):
+                out[i] = value
+        return out
 
     def contain_spikes(self) -> None:
-        """Scale the error buffers of the parameters :meth:`undo_norm_proxy` found spiked.
+        """Scale the error buffers of the parameters :meth:`undo_norm_proxies` found spiked.
 
         One host read per step (a GPU sync), not one per parameter; per-parameter reads only on a
         step with a spike.

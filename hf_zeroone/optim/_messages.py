@@ -296,12 +296,13 @@ class Messages:
         On 0/1 Adam's ``LOCAL`` and ``ONEBIT_SYNC`` steps each rank steps on its own gradient.
         AdamW's clipping sees the averaged gradient, whose norm is smaller, by the noise that
         averaging removes: the user's threshold, meant for that norm, met the local one and cut
-        steps that AdamW's would have left alone (on the suite's CLM run with ``max_grad_norm=1``,
-        most of the local phase's). Each local gradient is handed on divided by the square root of
-        its tensor's noise excess (:meth:`_noise_excesses`), so that its squared norm estimates the
-        averaged gradient's, as on 1-bit Adam's momentum steps; :meth:`undo_norm_proxies` multiplies
-        it back, so that, unclipped, the step applies the local gradient, and clipped by ``s``,
-        ``s`` times it. Without ``rho`` (one rank, ``follow_gradient_scale=False``) nothing changes.
+        steps that AdamW's would have left alone (with ``max_grad_norm=1`` 0/1 Adam ended 1.36%
+        above AdamW on the suite's CLM run; 0.52% since). Each local gradient is handed on divided
+        by the square root of its tensor's noise excess (:meth:`_noise_excesses`), so that its
+        squared norm estimates the averaged gradient's, as on 1-bit Adam's momentum steps;
+        :meth:`undo_norm_proxies` scales it back, so that, unclipped, the step applies the local
+        gradient, and clipped by ``s``, ``s`` times it. Without ``rho`` (one rank,
+        ``follow_gradient_scale=False``) nothing changes.
 
         The DDP hook scales its bucket's views in place; ``step()`` without the hook scales new
         tensors (``in_place=False``, the user's ``p.grad`` untouched), so both paths agree bit for

@@ -56,14 +56,6 @@ _SPIKE_CLIP = 0.1
 _ERROR_BUFFERS = ("worker_error", "server_error")
 
 
-def _in_dtypes(factors: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
-    """The 0-dim factors of ``factors`` (a vector), each in the dtype and on the device of its tensor."""
-    first = tensors[0]
-    if all(t.dtype == first.dtype and t.device == first.device for t in tensors):  # one conversion
-        return list(factors.to(device=first.device, dtype=first.dtype).unbind())
-    return [f.to(device=t.device, dtype=t.dtype) for f, t in zip(factors.unbind(), tensors)]
-
-
 class Messages:
     """The message protocol of one :class:`~hf_zeroone.optim.CompressedAdamBase` (its ``messages``).
 
@@ -315,7 +307,7 @@ class Messages:
         if not index:
             return out
         chosen = [grads[i] for i in index]
-        factors = _in_dtypes(torch.stack([rhos[i] for i in index]).rsqrt(), chosen)
+        factors = F.as_dtypes(list(torch.stack([rhos[i] for i in index]).rsqrt().unbind()), chosen)
         if in_place:
             torch._foreach_mul_(chosen, factors)
             scaled = chosen

@@ -37,15 +37,24 @@ exactly the results a branch on the host would give.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from hf_zeroone.compression import ChunkLayout, compression_error, decompress, pack_signs, segment_scales
+from hf_zeroone.compression import (
+    FLOAT8_BLOCK,
+    ChunkLayout,
+    compression_error,
+    decode_float8,
+    decompress,
+    encode_float8,
+    pack_signs,
+    segment_scales,
+)
 
-__all__ = ["SCALE_BYTES", "compressed_allreduce", "lane_floats"]
+__all__ = ["SCALE_BYTES", "compressed_allreduce", "float8_allreduce", "float8_row_bytes", "lane_floats"]
 
 SCALE_BYTES = 4  # one float32
 
@@ -53,6 +62,18 @@ SCALE_BYTES = 4  # one float32
 def lane_floats(length: int, world_size: int) -> int:
     """Floats of an exact lane of ``length`` that each chunk carries (the lane padded to ``P`` chunks)."""
     return -(-length // world_size)
+
+
+def float8_row_bytes(sizes: Sequence[int], lane: int, world_size: int) -> int:
+    """Bytes of one rank's row in :func:`float8_allreduce` of pieces of ``sizes`` (codes, block scales, lane chunk)."""
+    c = _float8_chunk(sizes, world_size)
+    return c + SCALE_BYTES * (c // FLOAT8_BLOCK + lane_floats(lane, world_size))
+
+
+def _float8_chunk(sizes: Sequence[int], world_size: int) -> int:
+    """Elements per chunk of a float8 message: each piece in whole blocks, then ``P`` chunks of whole blocks."""
+    blocks = sum(-(-n // FLOAT8_BLOCK) for n in sizes)
+    return -(-blocks // world_size) * FLOAT8_BLOCK
 
 
 def _zero_masked(t: Tensor, layout: ChunkLayout, start: int = 0, unless: Tensor | None = None) -> None:
@@ -110,9 +131,7 @@ def compressed_allreduce(
     send[:, :nb] = pack_signs(y.view(p, c))
     send[:, nb : nb + sb] = scales.view(torch.uint8).view(p, sb)
     if q:
-        lane = torch.zeros(p * q, dtype=torch.float32, device=device)
-        lane[: exact.numel()] = exact.reshape(-1)
-        send[:, nb + sb :] = lane.view(torch.uint8).view(p, lb)
+        send[:, nb + sb :] = _lane_rows(exact, p, q)
     recv = torch.empty_like(send)
     coll.all_to_all(recv, send)
     # worker_scales[i, j]: scale of segment j of my chunk, as worker i compressed it
@@ -132,12 +151,8 @@ def compressed_allreduce(
     out_row = torch.empty(row, dtype=torch.uint8, device=device)
     out_row[:nb] = pack_signs(z).masked_fill_(~ok, 0)
     out_row[nb : nb + sb] = s.view(torch.uint8)
-    if q:  # my chunk of the exact lane: each copy divided by P, then summed in rank order
-        lanes = recv[:, nb + sb :].contiguous().view(torch.float32).view(p, q).div_(p)
-        mean = lanes[0].clone()
-        for i in range(1, p):
-            mean.add_(lanes[i])
-        out_row[nb + sb :] = mean.view(torch.uint8)
+    if q:
+        out_row[nb + sb :] = _lane_mean(recv[:, nb + sb :], p, q)
 
     # e_s <- z - C[z] and e_w <- y - C[y], only if every worker was finite (a NaN never enters an error)
     def server_side(out: Tensor) -> None:
@@ -154,10 +169,115 @@ def compressed_allreduce(
     coll.all_gather(list(gathered.unbind(0)), out_row)
     server_scales = gathered[:, nb : nb + sb].contiguous().view(torch.float32).view(-1)
     if q:
-        exact.copy_(gathered[:, nb + sb :].contiguous().view(torch.float32).reshape(-1)[: exact.numel()].view_as(exact))
+        _lane_back(exact, gathered[:, nb + sb :])
     result = decompress(gathered[:, :nb], server_scales, layout.bounds)
     _zero_masked(result, layout, unless=~ok)  # a bad step's result stays NaN everywhere
     return result
+
+
+def float8_allreduce(
+    coll: Any,  # noqa: ANN401 - the collectives (see hf_zeroone._executor)
+    k: int,
+    p: int,
+    buffer: Tensor,
+    sizes: Sequence[int],
+    exact: Tensor | None = None,
+) -> Tensor:
+    """Average float32 ``buffer`` (flat) over ranks in place, sent as float8 messages; rank ``k`` of ``p``.
+
+    ``buffer`` holds pieces of ``sizes`` elements end to end (the parameters of a bucket). The two
+    collectives of the 1-bit allreduce, with :func:`~hf_zeroone.compression.encode_float8` in
+    place of the signs and no error feedback (an exact step keeps no state between calls):
+
+    1. worker: each piece is zero-padded to whole blocks (so an element's rounding depends on its
+       own piece only, not on the order in which a bucket packs them), the blocks are split into
+       ``P`` chunks and encoded; chunk ``k`` goes to rank ``k`` in one ``all_to_all``, with its
+       block scales and its chunk of the lane;
+    2. server ``k``: the ``P`` decoded copies are each divided by ``P`` and summed in rank order
+       (as an allreduce of two ranks does), and the mean is encoded again;
+    3. one ``all_gather`` of the servers' chunks; every rank decodes the same bytes, so the
+       result is bit-identical on all ranks.
+
+    Per rank about ``2 (P-1)/P * n * (1 + 4 / FLOAT8_BLOCK)`` bytes, against ``2 (P-1)/P * 2n``
+    for a bf16 allreduce. Each element is rounded twice (worker, server), each time to 3 bits of
+    mantissa. A non-finite element on any rank makes its block NaN on every rank. ``exact`` is
+    averaged exactly in the same collectives, as in :func:`compressed_allreduce`.
+    """
+    c = _float8_chunk(sizes, p)
+    nb, sb = c, SCALE_BYTES * (c // FLOAT8_BLOCK)
+    q = 0 if exact is None else lane_floats(exact.numel(), p)
+    row = float8_row_bytes(sizes, 0 if exact is None else exact.numel(), p)
+    pieces, blocked = _pieces(sizes)
+    padded = torch.zeros(p * c, dtype=torch.float32, device=buffer.device)
+    flat = buffer.reshape(-1)
+    for (start, n), at in zip(pieces, blocked):
+        padded[at : at + n] = flat[start : start + n]
+    send = _float8_rows(padded, p, row)
+    del padded
+    if q:
+        send[:, nb + sb :] = _lane_rows(exact, p, q)
+    recv = torch.empty_like(send)
+    coll.all_to_all(recv, send)
+    copies = decode_float8(recv[:, :nb].reshape(-1), recv[:, nb : nb + sb].contiguous().view(torch.float32).view(-1))
+    copies = copies.view(p, c).div_(p)
+    mean = copies[0].clone()
+    for i in range(1, p):  # in rank order, row by row
+        mean.add_(copies[i])
+    del copies
+    out_row = _float8_rows(mean, 1, row)[0]
+    if q:
+        out_row[nb + sb :] = _lane_mean(recv[:, nb + sb :], p, q)
+    gathered = torch.empty(p, row, dtype=torch.uint8, device=buffer.device)
+    coll.all_gather(list(gathered.unbind(0)), out_row)
+    if q:
+        _lane_back(exact, gathered[:, nb + sb :])
+    scales = gathered[:, nb : nb + sb].contiguous().view(torch.float32).view(-1)
+    result = decode_float8(gathered[:, :nb].reshape(-1), scales)
+    for (start, n), at in zip(pieces, blocked):
+        flat[start : start + n] = result[at : at + n]
+    return buffer
+
+
+def _pieces(sizes: Sequence[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """``(start, numel)`` of each piece in the buffer, and where each starts once pieces are padded to whole blocks."""
+    pieces, blocked, start, at = [], [], 0, 0
+    for n in sizes:
+        pieces.append((start, n))
+        blocked.append(at)
+        start += n
+        at += -(-n // FLOAT8_BLOCK) * FLOAT8_BLOCK
+    return pieces, blocked
+
+
+def _float8_rows(x: Tensor, rows: int, width: int) -> Tensor:
+    """``rows`` rows of ``width`` bytes: each row's chunk of ``x`` encoded, codes then scales (the rest left empty)."""
+    codes, scales = encode_float8(x)
+    c = x.numel() // rows
+    out = torch.empty(rows, width, dtype=torch.uint8, device=x.device)
+    out[:, :c] = codes.view(rows, c)
+    out[:, c : c + SCALE_BYTES * (c // FLOAT8_BLOCK)] = scales.view(torch.uint8).view(rows, -1)
+    return out
+
+
+def _lane_rows(exact: Tensor, p: int, q: int) -> Tensor:
+    """The exact lane padded to ``P`` chunks of ``q`` floats, as ``P`` rows of bytes (chunk ``i`` for rank ``i``)."""
+    lane = torch.zeros(p * q, dtype=torch.float32, device=exact.device)
+    lane[: exact.numel()] = exact.reshape(-1)
+    return lane.view(torch.uint8).view(p, SCALE_BYTES * q)
+
+
+def _lane_mean(received: Tensor, p: int, q: int) -> Tensor:
+    """My chunk of the lane from the ``P`` received rows (bytes): each copy divided by ``P``, summed in rank order."""
+    lanes = received.contiguous().view(torch.float32).view(p, q).div_(p)
+    mean = lanes[0].clone()
+    for i in range(1, p):
+        mean.add_(lanes[i])
+    return mean.view(torch.uint8)
+
+
+def _lane_back(exact: Tensor, gathered: Tensor) -> None:
+    """Write the averaged lane, the servers' chunks as gathered (rows of bytes), into ``exact``."""
+    exact.copy_(gathered.contiguous().view(torch.float32).reshape(-1)[: exact.numel()].view_as(exact))
 
 
 #: on the CPU, branch on the host (reading a CPU tensor drains no queue); ``False`` in tests runs

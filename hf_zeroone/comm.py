@@ -42,7 +42,7 @@ from hf_zeroone._executor import (
     collective_device,
     stop_all_workers,
 )
-from hf_zeroone._two_stage import SCALE_BYTES, compressed_allreduce, lane_floats
+from hf_zeroone._two_stage import SCALE_BYTES, compressed_allreduce, float8_allreduce, float8_row_bytes, lane_floats
 from hf_zeroone.compression import ChunkLayout
 
 __all__ = ["CommStats", "Communicator", "bit_checksum", "fp32_allreduce_bytes"]
@@ -303,6 +303,36 @@ class Communicator:
                 "drifted apart: a rank stepped differently (a skipped step on one rank, non-deterministic "
                 "kernels, or a bug). Stop and restart from the last checkpoint; report it if it repeats."
             )
+
+    def float8_allreduce_async(
+        self, tensor: Tensor, sizes: Sequence[int] | None = None, exact: Tensor | None = None
+    ) -> torch.futures.Future:
+        """Average float32 ``tensor`` over ranks in place, sent as float8 messages; the future yields ``tensor``.
+
+        Two collectives (an all-to-all and an all-gather, see :func:`hf_zeroone._two_stage.float8_allreduce`)
+        that send about half a bf16 allreduce's bytes; the result, identical on every rank, is each
+        gradient's mean rounded twice to 3 bits of mantissa. ``sizes``: the element counts of the
+        pieces ``tensor`` holds end to end (a bucket's parameters; default: one piece), each
+        encoded in blocks of its own. ``exact``: a float32 lane averaged exactly in the same
+        collectives. One rank: nothing is sent and ``tensor`` is kept as it is.
+        """
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            raise ValueError(f"float8_allreduce_async needs a contiguous float32 tensor, got {tensor.dtype}")
+        if exact is not None and (exact.dtype != torch.float32 or not exact.is_contiguous()):
+            raise ValueError(f"exact must be a contiguous float32 tensor, got {exact.dtype}")
+        sizes = [tensor.numel()] if sizes is None else list(sizes)
+        if sum(sizes) != tensor.numel() or min(sizes, default=0) < 0:
+            raise ValueError(f"sizes must be counts that add up to the tensor's {tensor.numel()} elements")
+        if not self.is_distributed:
+            return self._submit(lambda: tensor)
+        p, lane = self.world_size, 0 if exact is None else exact.numel()
+        self.stats.bytes_sent += 2 * (p - 1) * float8_row_bytes(sizes, lane, p)
+        self.stats.fp32_equivalent_bytes += fp32_allreduce_bytes(tensor.numel() + lane, p)
+        self.stats.collectives += 2
+        self.stats.full_allreduces += 1
+        coll, rank = self._coll, self.rank
+        inputs = (tensor,) if exact is None else (tensor, exact)
+        return self._submit(lambda: float8_allreduce(coll, rank, p, tensor, sizes, exact), inputs)
 
     # ------------------------------------------------------------------ 1-bit allreduce
     def compressed_allreduce_async(

@@ -30,6 +30,14 @@ elements take no part in a scale, never build up error, and decompress to exactl
 caller zeroes them, see :mod:`hf_zeroone.comm`). A layout whose only masked elements are the
 padding stores no mask (four bytes per element saved): :attr:`ChunkLayout.mask` then builds one
 when asked, and callers zero the padding tail instead.
+
+**Float8 messages** (``exact_step_dtype="float8_e4m3fn"``) are a second codec, not 1-bit: a vector
+is cut into blocks of :data:`FLOAT8_BLOCK` elements and each block ``b`` travels as one float32
+scale ``s_b = max|x_b| / 448`` and one byte per element, ``x / s_b`` rounded to the nearest
+``float8_e4m3fn`` (448 is that format's largest value). Each element keeps its own exponent, so a
+small gradient beside a large one keeps three bits of mantissa (a relative error of at most
+``2**-4``) until it is ``2**17`` times smaller than its block's largest. A block that holds a
+non-finite value gets a NaN scale and decodes to NaN.
 """
 
 from __future__ import annotations
@@ -43,8 +51,11 @@ from torch import Tensor
 
 __all__ = [
     "ChunkLayout",
+    "FLOAT8_BLOCK",
     "compression_error",
+    "decode_float8",
     "decompress",
+    "encode_float8",
     "padded_length",
     "pack_signs",
     "segment_scales",
@@ -57,6 +68,9 @@ _BITS_PER_BYTE = 8
 # two partial products on the same bit (so no carries): the top byte holds the eight bits, the
 # first one highest.
 _GATHER_BITS = 0x8040201008040201 - (1 << 64)
+#: elements per float32 scale of a float8 message (the scales add 4/FLOAT8_BLOCK bytes per element)
+FLOAT8_BLOCK = 128
+_FLOAT8_MAX = 448.0  # the largest finite float8_e4m3fn
 _NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
@@ -179,6 +193,29 @@ def decompress(packed: Tensor, scales: Tensor, bounds: Sequence[int]) -> Tensor:
         views, factors = zip(*pairs)
         torch._foreach_mul_(list(views), list(factors))
     return out
+
+
+def encode_float8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(codes, scales)`` of float32 ``x`` (flat, a whole number of :data:`FLOAT8_BLOCK` blocks).
+
+    ``codes``: uint8, one per element (the bits of ``float8_e4m3fn``); ``scales``: float32, one per
+    block, NaN for a block with a non-finite element. An all-zero block has scale 0 and zero codes.
+    """
+    if x.dtype != torch.float32 or x.dim() != 1 or x.numel() % FLOAT8_BLOCK:
+        what = f"{x.dtype} {tuple(x.shape)}"
+        raise ValueError(f"encode_float8 needs a flat float32 tensor of whole {FLOAT8_BLOCK}-element blocks: {what}")
+    blocks = x.view(-1, FLOAT8_BLOCK)
+    scales = blocks.abs().amax(dim=1).div_(_FLOAT8_MAX)
+    scales.masked_fill_(~torch.isfinite(scales), float("nan"))  # an inf anywhere: NaN, as a NaN gives
+    divisor = torch.where(scales > 0, scales, 1.0)
+    codes = torch.div(blocks, divisor.unsqueeze(1)).clamp_(-_FLOAT8_MAX, _FLOAT8_MAX).to(torch.float8_e4m3fn)
+    return codes.view(torch.uint8).view(-1), scales
+
+
+def decode_float8(codes: Tensor, scales: Tensor) -> Tensor:
+    """float32 values of :func:`encode_float8`'s ``codes`` (uint8, flat) and ``scales``."""
+    values = codes.view(torch.float8_e4m3fn).to(torch.float32).view(-1, FLOAT8_BLOCK)
+    return values.mul_(scales.unsqueeze(1)).view(-1)
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ def _exact(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: "Tensor 
     """
     dtype = opt.exact_message_dtype(buffer.dtype)
     message = buffer.to(dtype) if dtype != buffer.dtype and opt.comm.is_distributed else buffer
-    fut = opt.comm.allreduce_mean_async(message, lane, lane_in_bf16=opt.exact_step_dtype is torch.bfloat16)
+    fut = opt.average_exact_async(message, params, lane)
     if message is buffer and lane is None:
         return fut
 

@@ -30,7 +30,10 @@ gradient clipping:
 * both at 2x and 4x the learning rate, their only knob shared with AdamW;
 * both with their exact steps in full precision (``exact_step_dtype="float32"``; the default is
   bf16), and 0/1 Adam with the paper's phase 1 (``exact_warmup_steps=0``: 1-bit gradients between
-  sparse variance steps) at 1x and 4x.
+  sparse variance steps) at 1x and 4x;
+* both with their exact steps sent as float8 messages (``exact_step_dtype="float8_e4m3fn"``, a
+  byte per element) at 1x, and 0/1 Adam's 5%-exact setting with a largest sync gap of 1 or 2 so
+  ("gap G float8"), at 2x and 4x the learning rate.
 
 Every other knob is each package's default. Bytes and rounds are counted as in the convergence
 suite (``suite/counting.py``; DiLoCo's fp32 pseudo-gradient allreduces, DeMo's own
@@ -129,6 +132,12 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     points += [("1-bit Adam fp32 exact", "onebit_adam", 1, fp32), ("0/1 Adam fp32 exact", "zeroone_adam", 1, fp32)]
     paper = {"exact_warmup_steps": 0}
     points += [(f"0/1 Adam paper phase 1{x}", "zeroone_adam", m, paper) for x, m in (("", 1), (" lr x4", 4))]
+    # exact steps as float8 messages: a byte per element, half of bf16's
+    f8 = {"exact_step_dtype": "float8_e4m3fn"}
+    points += [(f"{n} float8", o, 1, f8) for n, o in (("1-bit Adam", "onebit_adam"), ("0/1 Adam", "zeroone_adam"))]
+    for g, m in ((1, 2), (1, 4), (2, 2), (2, 4)):
+        settings = {"exact_warmup_steps": t // 20, "var_freeze_step": t * 30 // 100, "local_step_clipper": g, **f8}
+        points.append((f"0/1 Adam exact 5% freeze 30% gap {g} float8 lr x{m}", "zeroone_adam", m, settings))
     if args.quick:
         keep = ("adamw lr x1", "adamw lr x2", "diloco H=8", "demo top-k 8", "post-local SGD period 4")
         points = [p for p in points if p[0] in keep or p[0].endswith("default")]

@@ -87,6 +87,7 @@ def _equivalence(rank, world, extra=None, model_dtype=None):
             "stats": stats,
             "step_stats": step_stats,
             "numel": sum(p.numel() for p in ma.parameters()),
+            "sizes": [p.numel() for p in ma.parameters()],
         }
 
     if extra or model_dtype is not None:
@@ -342,6 +343,36 @@ def test_a_bf16_model_hook_equals_step_and_sends_the_same_bytes(model_dtype, exa
         if model_dtype == "mixed":  # DDP's two buckets against step()'s one: compressed steps count apart
             pairs = [p for p in pairs if p[0] == "exact"]
         assert all(hook == step for _, hook, step in pairs), (name, pairs)
+
+
+@pytest.fixture(scope="module")
+def equivalence_float8():
+    return run_ranks(_equivalence, 2, {"exact_step_dtype": "float8_e4m3fn"}, timeout=200)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["onebit", "zeroone"])
+def test_float8_exact_steps_hook_equals_step_in_two_collectives_of_a_quarter_of_the_bytes(
+    equivalence_float8, equivalence, name
+):
+    """exact_step_dtype=float8_e4m3fn: both paths agree bit for bit; an exact step sends a byte per element.
+
+    Its all-to-all and all-gather carry each element's code, a float32 scale per 128 elements and
+    the exact lane (the scale samples, six floats here, exact); compressed steps are unchanged.
+    """
+    from hf_zeroone._two_stage import float8_row_bytes
+
+    res, fp32 = equivalence_float8[0][name], equivalence[0][name]
+    assert all(res["equal"]), res["equal"]
+    assert res["kinds"] == fp32["kinds"]
+    exact = [s for k, s in zip(res["kinds"], res["stats"]) if k == "exact"]
+    assert exact
+    for stats in exact:
+        assert stats["bytes_sent"] == 2 * float8_row_bytes(res["sizes"], 6, 2)
+        assert stats["collectives"] == 2
+    for kind, stats, before in zip(res["kinds"], res["stats"], fp32["stats"]):
+        if kind != "exact":
+            assert stats["bytes_sent"] == before["bytes_sent"] and stats["collectives"] == before["collectives"]
 
 
 @pytest.fixture(scope="module")

@@ -13,23 +13,29 @@ from hf_zeroone import OneBitAdam, ZeroOneAdam
 @pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
 @pytest.mark.parametrize(
     ("given", "expected"),
-    [(None, None), (torch.float32, torch.float32), ("bfloat16", torch.bfloat16), ("torch.bfloat16", torch.bfloat16)],
+    [
+        (None, None),
+        (torch.float32, torch.float32),
+        ("bfloat16", torch.bfloat16),
+        ("torch.bfloat16", torch.bfloat16),
+        ("float8_e4m3fn", torch.float8_e4m3fn),
+    ],
 )
 def test_accepted_values(cls, given, expected):
     opt = cls([torch.nn.Parameter(torch.zeros(3))], exact_step_dtype=given)
     assert opt.exact_step_dtype == expected
 
 
-@pytest.mark.parametrize("bad", [torch.float16, "fp16", "bf16", torch.int8, 16])
+@pytest.mark.parametrize("bad", [torch.float16, "fp16", "bf16", torch.int8, 16, torch.float8_e5m2])
 def test_other_values_are_refused_with_the_choices(bad):
-    with pytest.raises(ValueError, match=r"torch\.float32 or torch\.bfloat16"):
+    with pytest.raises(ValueError, match=r"torch\.float32, torch\.bfloat16 or torch\.float8_e4m3fn"):
         OneBitAdam([torch.nn.Parameter(torch.zeros(3))], exact_step_dtype=bad)
 
 
 def test_one_process_sends_nothing_and_steps_as_before():
     """Without communication the option changes nothing: the same parameters, bit for bit."""
     out = []
-    for dtype in (None, "bfloat16"):
+    for dtype in (None, "bfloat16", "float8_e4m3fn"):
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 4)
         opt = ZeroOneAdam(model.parameters(), lr=1e-2, exact_step_dtype=dtype)
@@ -40,7 +46,7 @@ def test_one_process_sends_nothing_and_steps_as_before():
             model(torch.randn(16, 8, generator=gen)).square().mean().backward()
             opt.step()
         out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-    assert torch.equal(out[0], out[1])
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
 
 
 def test_the_trainer_flag_reaches_the_optimizer(tmp_path):

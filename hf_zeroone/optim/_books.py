@@ -226,7 +226,24 @@ class OptimizerBooks(Optimizer):
         DDP sends them, and so does every bucket when it is ``None``.
         """
         dtype = self.exact_step_dtype
+        if dtype is torch.float8_e4m3fn:  # written in float32; the communicator encodes it
+            return bucket_dtype
         return dtype if dtype is not None and bucket_dtype == torch.float32 else bucket_dtype
+
+    def average_exact_async(
+        self, message: Tensor, params: Sequence[Tensor], lane: Tensor | None
+    ) -> torch.futures.Future:
+        """Average an exact step's ``message`` (``params``' gradients end to end) and its ``lane`` over ranks, in place.
+
+        float32 messages go as float8 messages, each parameter in blocks of its own, when
+        ``exact_step_dtype`` is float8 (:meth:`~hf_zeroone.comm.Communicator.float8_allreduce_async`);
+        the rest in an allreduce of their own dtype (:meth:`exact_message_dtype`). The hook's
+        path and ``step()``'s both come here, and agree bit for bit whatever order DDP's bucket
+        holds the parameters in.
+        """
+        if self.exact_step_dtype is torch.float8_e4m3fn and message.dtype == torch.float32:
+            return self.comm.float8_allreduce_async(message, [p.numel() for p in params], lane)
+        return self.comm.allreduce_mean_async(message, lane, lane_in_bf16=self.exact_step_dtype is torch.bfloat16)
 
     def grouped(self, params: Sequence[Tensor], values: Sequence[Any]) -> list[tuple[dict[str, Any], list, list]]:
         """``(group, params, values)`` per parameter group of ``params``, in order of first appearance."""

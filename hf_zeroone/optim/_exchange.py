@@ -57,7 +57,7 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
         if kind.compressed:
             combined = opt.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout, lane)
         else:
-            combined = opt.comm.allreduce_mean(message, lane, lane_in_bf16=opt.exact_step_dtype is torch.bfloat16)
+            combined = opt.average_exact_async(message, params, lane).wait()
         del message  # the compressed allreduce's scratch: freed before the next bucket
         combined_views = views(combined)
         opt.messages.finish(kind, params, combined_views, lane)

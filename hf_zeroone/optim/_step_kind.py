@@ -85,7 +85,7 @@ def check_adam_arguments(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> No
 
 
 #: the dtypes an exact step may send its gradients in (``exact_step_dtype``), by name
-EXACT_STEP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EXACT_STEP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def check_exact_step_dtype(value: Any) -> torch.dtype | None:  # noqa: ANN401
@@ -95,8 +95,9 @@ def check_exact_step_dtype(value: Any) -> torch.dtype | None:  # noqa: ANN401
     dtype = EXACT_STEP_DTYPES.get(value.removeprefix("torch.")) if isinstance(value, str) else value
     if dtype not in EXACT_STEP_DTYPES.values():
         raise ValueError(
-            f"exact_step_dtype must be torch.float32 or torch.bfloat16 (or their names, or None for the "
-            f"gradients' own precision), got {value!r}; float16 is refused: an fp16 sum of gradients can overflow"
+            f"exact_step_dtype must be torch.float32, torch.bfloat16 or torch.float8_e4m3fn (or their names, or "
+            f"None for the gradients' own precision), got {value!r}; float16 is refused: an fp16 sum of "
+            "gradients can overflow"
         )
     return dtype
 

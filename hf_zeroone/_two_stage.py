@@ -65,9 +65,9 @@ def lane_floats(length: int, world_size: int) -> int:
 
 
 def float8_row_bytes(sizes: Sequence[int], lane: int, world_size: int) -> int:
-    """Bytes of one rank's row in :func:`float8_allreduce` of pieces of ``sizes`` (codes, block scales, lane chunk)."""
+    """Bytes of one rank's row in :func:`float8_allreduce` of pieces of ``sizes``: codes, block exponents, lane."""
     c = _float8_chunk(sizes, world_size)
-    return c + SCALE_BYTES * (c // FLOAT8_BLOCK + lane_floats(lane, world_size))
+    return c + c // FLOAT8_BLOCK + SCALE_BYTES * lane_floats(lane, world_size)
 
 
 def _float8_chunk(sizes: Sequence[int], world_size: int) -> int:
@@ -192,19 +192,19 @@ def float8_allreduce(
     1. worker: each piece is zero-padded to whole blocks (so an element's rounding depends on its
        own piece only, not on the order in which a bucket packs them), the blocks are split into
        ``P`` chunks and encoded; chunk ``k`` goes to rank ``k`` in one ``all_to_all``, with its
-       block scales and its chunk of the lane;
+       blocks' exponent bytes and its chunk of the lane;
     2. server ``k``: the ``P`` decoded copies are each divided by ``P`` and summed in rank order
        (as an allreduce of two ranks does), and the mean is encoded again;
     3. one ``all_gather`` of the servers' chunks; every rank decodes the same bytes, so the
        result is bit-identical on all ranks.
 
-    Per rank about ``2 (P-1)/P * n * (1 + 4 / FLOAT8_BLOCK)`` bytes, against ``2 (P-1)/P * 2n``
+    Per rank about ``2 (P-1)/P * n * (1 + 1 / FLOAT8_BLOCK)`` bytes, against ``2 (P-1)/P * 2n``
     for a bf16 allreduce. Each element is rounded twice (worker, server), each time to 3 bits of
     mantissa. A non-finite element on any rank makes its block NaN on every rank. ``exact`` is
     averaged exactly in the same collectives, as in :func:`compressed_allreduce`.
     """
     c = _float8_chunk(sizes, p)
-    nb, sb = c, SCALE_BYTES * (c // FLOAT8_BLOCK)
+    nb, sb = c, c // FLOAT8_BLOCK  # codes, then one exponent byte per block
     q = 0 if exact is None else lane_floats(exact.numel(), p)
     row = float8_row_bytes(sizes, 0 if exact is None else exact.numel(), p)
     pieces, blocked = _pieces(sizes)
@@ -218,7 +218,7 @@ def float8_allreduce(
         send[:, nb + sb :] = _lane_rows(exact, p, q)
     recv = torch.empty_like(send)
     coll.all_to_all(recv, send)
-    copies = decode_float8(recv[:, :nb].reshape(-1), recv[:, nb : nb + sb].contiguous().view(torch.float32).view(-1))
+    copies = decode_float8(recv[:, :nb].reshape(-1), recv[:, nb : nb + sb].reshape(-1))
     copies = copies.view(p, c).div_(p)
     mean = copies[0].clone()
     for i in range(1, p):  # in rank order, row by row
@@ -231,8 +231,7 @@ def float8_allreduce(
     coll.all_gather(list(gathered.unbind(0)), out_row)
     if q:
         _lane_back(exact, gathered[:, nb + sb :])
-    scales = gathered[:, nb : nb + sb].contiguous().view(torch.float32).view(-1)
-    result = decode_float8(gathered[:, :nb].reshape(-1), scales)
+    result = decode_float8(gathered[:, :nb].reshape(-1), gathered[:, nb : nb + sb].reshape(-1))
     for (start, n), at in zip(pieces, blocked):
         flat[start : start + n] = result[at : at + n]
     return buffer
@@ -250,12 +249,12 @@ def _pieces(sizes: Sequence[int]) -> tuple[list[tuple[int, int]], list[int]]:
 
 
 def _float8_rows(x: Tensor, rows: int, width: int) -> Tensor:
-    """``rows`` rows of ``width`` bytes: each row's chunk of ``x`` encoded, codes then scales (the rest left empty)."""
-    codes, scales = encode_float8(x)
+    """``rows`` rows of ``width`` bytes: each row's chunk of ``x`` encoded, codes then exponents (the rest empty)."""
+    codes, exponents = encode_float8(x)
     c = x.numel() // rows
     out = torch.empty(rows, width, dtype=torch.uint8, device=x.device)
     out[:, :c] = codes.view(rows, c)
-    out[:, c : c + SCALE_BYTES * (c // FLOAT8_BLOCK)] = scales.view(torch.uint8).view(rows, -1)
+    out[:, c : c + c // FLOAT8_BLOCK] = exponents.view(rows, -1)
     return out
 
 

@@ -32,12 +32,14 @@ padding stores no mask (four bytes per element saved): :attr:`ChunkLayout.mask` 
 when asked, and callers zero the padding tail instead.
 
 **Float8 messages** (``exact_step_dtype="float8_e4m3fn"``) are a second codec, not 1-bit: a vector
-is cut into blocks of :data:`FLOAT8_BLOCK` elements and each block ``b`` travels as one float32
-scale ``s_b = max|x_b| / 448`` and one byte per element, ``x / s_b`` rounded to the nearest
-``float8_e4m3fn`` (448 is that format's largest value). Each element keeps its own exponent, so a
-small gradient beside a large one keeps three bits of mantissa (a relative error of at most
-``2**-4``) until it is ``2**17`` times smaller than its block's largest. A block that holds a
-non-finite value gets a NaN scale and decodes to NaN.
+is cut into blocks of :data:`FLOAT8_BLOCK` elements and each block ``b`` travels as one byte per
+element, ``x * 2**-e_b`` rounded to the nearest ``float8_e4m3fn``, and one byte for ``e_b``, the
+smallest integer with ``max|x_b| * 2**-e_b <= 448`` (448: that format's largest value), as in the
+OCP microscaling formats. A power-of-two scale is exact, so each element keeps three bits of
+mantissa (a relative error of at most ``2**-4``) unless it is more than ``2**13`` times smaller
+than its block's largest (below that, float8's subnormals: coarser, down to zero at ``2**-17``),
+and the scale costs a byte per block, not four. A block that holds a
+non-finite value gets the exponent byte -128 and decodes to NaN.
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ _BITS_PER_BYTE = 8
 # two partial products on the same bit (so no carries): the top byte holds the eight bits, the
 # first one highest.
 _GATHER_BITS = 0x8040201008040201 - (1 << 64)
-#: elements per float32 scale of a float8 message (the scales add 4/FLOAT8_BLOCK bytes per element)
+#: elements per one-byte scale exponent of a float8 message (the scales add 1/FLOAT8_BLOCK bytes per element)
 FLOAT8_BLOCK = 128
 _FLOAT8_MAX = 448.0  # the largest finite float8_e4m3fn
+_NAN_EXPONENT = -128  # a block with a non-finite element
 _NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
@@ -196,26 +199,32 @@ def decompress(packed: Tensor, scales: Tensor, bounds: Sequence[int]) -> Tensor:
 
 
 def encode_float8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(codes, scales)`` of float32 ``x`` (flat, a whole number of :data:`FLOAT8_BLOCK` blocks).
+    """``(codes, exponents)`` of float32 ``x`` (flat, a whole number of :data:`FLOAT8_BLOCK` blocks).
 
-    ``codes``: uint8, one per element (the bits of ``float8_e4m3fn``); ``scales``: float32, one per
-    block, NaN for a block with a non-finite element. An all-zero block has scale 0 and zero codes.
+    ``codes``: uint8, one per element (the bits of ``float8_e4m3fn`` of ``x * 2**-e``);
+    ``exponents``: uint8, one per block, the bits of the int8 ``e`` (-128 for a block with a
+    non-finite element). An all-zero block has ``e = 0`` and zero codes.
     """
     if x.dtype != torch.float32 or x.dim() != 1 or x.numel() % FLOAT8_BLOCK:
         what = f"{x.dtype} {tuple(x.shape)}"
         raise ValueError(f"encode_float8 needs a flat float32 tensor of whole {FLOAT8_BLOCK}-element blocks: {what}")
     blocks = x.view(-1, FLOAT8_BLOCK)
-    scales = blocks.abs().amax(dim=1).div_(_FLOAT8_MAX)
-    scales.masked_fill_(~torch.isfinite(scales), float("nan"))  # an inf anywhere: NaN, as a NaN gives
-    divisor = torch.where(scales > 0, scales, 1.0)
-    codes = torch.div(blocks, divisor.unsqueeze(1)).clamp_(-_FLOAT8_MAX, _FLOAT8_MAX).to(torch.float8_e4m3fn)
-    return codes.view(torch.uint8).view(-1), scales
+    amax = blocks.abs().amax(dim=1)
+    finite = torch.isfinite(amax)
+    mantissa, exponent = torch.frexp(amax / _FLOAT8_MAX)  # amax / 448 = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = exponent.sub_((mantissa == 0.5).to(exponent.dtype)).clamp_(-127, 127)  # ceil(log2(amax / 448))
+    exponent = exponent.masked_fill_(~finite, _NAN_EXPONENT).to(torch.int8)
+    scaled = torch.ldexp(blocks, -exponent.to(torch.float32).unsqueeze(1))  # exact: a power of two
+    codes = scaled.clamp_(-_FLOAT8_MAX, _FLOAT8_MAX).to(torch.float8_e4m3fn)
+    return codes.view(torch.uint8).view(-1), exponent.view(torch.uint8)
 
 
-def decode_float8(codes: Tensor, scales: Tensor) -> Tensor:
-    """float32 values of :func:`encode_float8`'s ``codes`` (uint8, flat) and ``scales``."""
+def decode_float8(codes: Tensor, exponents: Tensor) -> Tensor:
+    """float32 values of :func:`encode_float8`'s ``codes`` and ``exponents`` (uint8, flat)."""
+    exponent = exponents.view(torch.int8)
     values = codes.view(torch.float8_e4m3fn).to(torch.float32).view(-1, FLOAT8_BLOCK)
-    return values.mul_(scales.unsqueeze(1)).view(-1)
+    values = torch.ldexp(values, exponent.to(torch.float32).unsqueeze(1))
+    return values.masked_fill_((exponent == _NAN_EXPONENT).unsqueeze(1), float("nan")).view(-1)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ def test_the_trainer_flag_reaches_the_optimizer(tmp_path):
     params = [{"params": [torch.nn.Parameter(torch.zeros(2))]}]
     assert build_optimizer(default, params).exact_step_dtype == torch.bfloat16  # the default
     assert build_optimizer(full, params).exact_step_dtype == torch.float32
+    (f8,) = parser.parse_args_into_dataclasses([*base, "--exact_step_dtype", "float8_e4m3fn"])
+    assert build_optimizer(f8, params).exact_step_dtype == torch.float8_e4m3fn
     with pytest.raises(SystemExit):  # argparse names the choices
         HfArgumentParser(ZeroOneTrainingArguments).parse_args_into_dataclasses(
             ["--output_dir", str(tmp_path), "--exact_step_dtype", "float16"]

@@ -113,8 +113,9 @@ class ZeroOneArgumentsMixin:
         default="bfloat16",
         metadata={
             "help": "Precision of the exact steps' gradient average (1-bit Adam's warm-up, 0/1 Adam's phase 1): "
-            "the default 'bfloat16' halves their bytes, most of a run's; 'float32': full precision.",
-            "choices": ["float32", "bfloat16"],
+            "the default 'bfloat16' halves their bytes, most of a run's; 'float8_e4m3fn' halves them again "
+            "(block-scaled float8 messages, for slow links); 'float32': full precision.",
+            "choices": ["float32", "bfloat16", "float8_e4m3fn"],
         },
     )
     onebit_bias_correction: bool = field(

@@ -79,6 +79,13 @@ class CompressedAdamBase(OptimizerBooks):
             mantissa before the average. On the frontier and convergence workloads it moved the
             final loss by no more than the spread between seeds (``docs/frontier.md``). The
             samples of ``follow_gradient_scale`` that ride with them are rounded to bf16 too.
+            ``torch.float8_e4m3fn`` (or ``"float8_e4m3fn"``) halves them again: each parameter's
+            gradient travels in blocks of 128 elements, a byte per element (float8 with 3 bits of
+            mantissa) and a power-of-two scale per block (a byte), in the two collectives of the 1-bit
+            allreduce, rounded on each worker and again after the average
+            (:func:`hf_zeroone._two_stage.float8_allreduce`); the samples ride exact. A choice
+            for slow links: it moved the frontier's and the suite's losses by no more than the
+            spread between seeds (``docs/frontier.md``), but is not the default yet.
             ``torch.float32`` (or ``None``): full precision (a DDP bucket's own dtype in the
             hook). It applies to fp32 gradients; fp16 and bf16 buckets go as they are, and
             compressed steps are unchanged.

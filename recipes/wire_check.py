@@ -4,15 +4,15 @@
     sudo python recipes/wire_check.py
 
 Runs AdamW, torchft DiLoCo (H=8), DeMo (top-k 8), post-local SGD (period 4), 1-bit Adam and 0/1
-Adam on the quick CLM workload of ``frontier.py``, each in a fresh network namespace of its own
-(``recipes/bench/netns.py``), and compares what the suite counted (bytes each rank sent, summed
-over ranks) with the bytes the namespace's loopback carried. The wire carries more than training
-traffic: TCP/IP headers, the rendezvous, DDP's initial broadcast, the replica check after the loop
-and, for DiLoCo, the lighthouse's quorums. Those are the same whatever the run's length, so each
-method runs twice, for 40 and for 80 steps, and the check compares the differences: the bytes the
-40 extra steps put on the wire against the bytes the suite counted for them. A count that missed a
-collective shows as a ratio well above 1; one that counted bytes never sent, below 1. Prints a
-markdown table.
+Adam (with their defaults, and with their exact steps as float8 messages) on the quick CLM workload
+of ``frontier.py``, each in a fresh network namespace of its own (``recipes/bench/netns.py``), and
+compares what the suite counted (bytes each rank sent, summed over ranks) with the bytes the
+namespace's loopback carried. The wire carries more than training traffic: TCP/IP headers, the
+rendezvous, DDP's initial broadcast, the replica check after the loop and, for DiLoCo, the
+lighthouse's quorums. Those are the same whatever the run's length, so each method runs twice, for
+40 and for 80 steps, and the check compares the differences: the bytes the 40 extra steps put on
+the wire against the bytes the suite counted for them. A count that missed a collective shows as a
+ratio well above 1; one that counted bytes never sent, below 1. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -37,13 +37,24 @@ POINTS = [
     ("post-local SGD period 4", "post_local_sgd", {"period": 4}),
     ("1-bit Adam", "onebit_adam", {}),
     ("0/1 Adam", "zeroone_adam", {}),
+    ("1-bit Adam float8", "onebit_adam", {"exact_step_dtype": "float8_e4m3fn"}),
+    ("0/1 Adam float8", "zeroone_adam", {"exact_step_dtype": "float8_e4m3fn"}),
 ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default=None, help="Run directories (default: a temporary one).")
+    labels = ", ".join(label for label, _, _ in POINTS)
+    parser.add_argument("--points", default=None, help=f"Comma-separated labels to run (default: all of {labels}).")
     args = parser.parse_args()
+    points = POINTS
+    if args.points:
+        wanted = [w.strip() for w in args.points.split(",") if w.strip()]
+        unknown = sorted(set(wanted) - {label for label, _, _ in POINTS})
+        if unknown:
+            raise SystemExit(f"--points: unknown {unknown}; the points are: {labels}")
+        points = [p for p in POINTS if p[0] in wanted]
     why = netns_unavailable_reason()
     if why:
         raise SystemExit(f"wire_check.py needs network namespaces: {why}")
@@ -57,10 +68,11 @@ def main() -> None:
         "| extra wire / extra counted |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for label, method, settings in POINTS:
+    for label, method, settings in points:
         counted, wire = [], []
         for steps in (40, 80):
-            spec = make_spec(suite, "clm", method, data, out / f"{method}_{steps}", 0, steps)
+            run_dir = out / f"{label.replace(' ', '_').replace('/', '')}_{steps}"
+            spec = make_spec(suite, "clm", method, data, run_dir, 0, steps)
             spec.update(settings=settings, warmup_steps=4)  # the same warm-up, so the extra steps are alike
             ns = NetNamespace(f"hfz_wire_{method}")
             ns.create()

@@ -107,6 +107,22 @@ def test_the_compressed_allreduce_reads_nothing_on_the_host(no_host_reads):
     assert torch.isnan(values[2]).all() and torch.isfinite(values[4]).all()
 
 
+def test_the_float8_allreduce_reads_nothing_on_the_host(no_host_reads):
+    """Encoding, the server's average and decoding, with a NaN round: no tensor value read on the host."""
+    comm = Communicator._loopback(4, rank=1)
+    no_host_reads.set()
+    futs = []
+    for t in range(3):
+        buf = torch.randn(1003)
+        if t == 1:  # (loopback: every chunk of the result is this rank's chunk, so NaN everywhere)
+            buf.fill_(float("nan"))
+        futs.append(comm.float8_allreduce_async(buf, [17, 483, 503], exact=torch.ones(3)))
+    values = [f.wait() for f in futs]
+    no_host_reads.clear()
+    comm.close()
+    assert torch.isnan(values[1]).all() and torch.isfinite(values[2]).all()
+
+
 class _Bucket:
     """What zeroone_hook uses of a DDP GradBucket: a flat buffer, its parameters, gradient views."""
 

@@ -90,8 +90,9 @@ class SuiteArguments:
     settings: str = field(
         default="",
         metadata={
-            "help": "A JSON object of keyword arguments for 1-bit and 0/1 Adam on clm, mlm and lsq (a diagnostic: "
-            "the suite's goals are about the defaults), e.g. '{\"clip_to_variance\": false}'. "
+            "help": "A JSON object of keyword arguments for 1-bit and 0/1 Adam on clm, mlm and lsq, and of "
+            "ZeroOneTrainingArguments fields on finetune (a diagnostic: the suite's goals are about the defaults), "
+            'e.g. \'{"clip_to_variance": false}\' or \'{"exact_step_dtype": "float8_e4m3fn"}\'. '
             "'{\"exact_messages\": true}' averages their 1-bit messages exactly in fp32 instead (the variance "
             "still frozen): what compression costs apart from the freeze. Use its own --output_dir."
         },
@@ -240,7 +241,8 @@ def make_spec(
         spec.update(steps=steps, warmup_steps=warm, lr=args.lm_lr, batch_size=args.lm_batch_size)
         spec.update(hidden_size=args.lm_hidden_size, num_layers=args.lm_num_layers, num_heads=args.lm_num_heads)
         spec.update(max_grad_norm=args.lm_max_grad_norm, eval_size=args.lm_eval_sequences)
-    if args.settings and optimizer in ("onebit_adam", "zeroone_adam") and workload != "finetune":
+    if args.settings and optimizer in ("onebit_adam", "zeroone_adam"):
+        # clm, mlm, lsq: optimizer keyword arguments; finetune: ZeroOneTrainingArguments fields
         spec["settings"] = {**spec.get("settings", {}), **json.loads(args.settings)}
     defaults = package_defaults(optimizer, trainer=workload == "finetune")  # fine-tuning goes through the Trainer
     if defaults is not None:  # a saved run of other defaults is run again
@@ -267,6 +269,12 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     (args,) = HfArgumentParser(SuiteArguments).parse_args_into_dataclasses(argv)
     check_settings(args.settings)
+    if args.settings and "finetune" in args.workloads.split(","):
+        from suite.finetune import unknown_trainer_settings
+
+        problem = unknown_trainer_settings(json.loads(args.settings))
+        if problem:
+            raise SystemExit(problem)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", "recipes/convergence.py", *argv])  # quoted: copied into a shell, it runs as it ran

@@ -82,11 +82,34 @@ def pretrained_classifier(labels: list[str], seed: int):  # noqa: ANN201 - a tra
     )
 
 
+def unknown_trainer_settings(settings: dict) -> str | None:
+    """What is wrong with ``settings`` for the fine-tuning rows (``ZeroOneTrainingArguments`` fields), or ``None``."""
+    from dataclasses import fields
+
+    from hf_zeroone import ZeroOneTrainingArguments
+
+    unknown = sorted(set(settings) - {f.name for f in fields(ZeroOneTrainingArguments)})
+    if not unknown:
+        return None
+    return (
+        f"--settings {unknown} are not ZeroOneTrainingArguments fields, which the finetune rows take "
+        "(e.g. exact_step_dtype, local_step_clipper, exact_warmup_steps); run finetune apart with its own --settings"
+    )
+
+
 def training_arguments(spec: dict):  # noqa: ANN201 - ZeroOneTrainingArguments, imported lazily
-    """Trainer defaults plus the spec's learning rate, epochs, warm-up, seed and optimizer."""
+    """Trainer defaults plus the spec's learning rate, epochs, warm-up, seed, optimizer and ``settings``.
+
+    ``settings`` (the suite's ``--settings``) name ``ZeroOneTrainingArguments`` fields, e.g.
+    ``{"exact_step_dtype": "float8_e4m3fn"}``; anything else stops the run with the fields' names.
+    """
     from hf_zeroone import ZeroOneTrainingArguments
 
     name = spec["optimizer"]
+    settings = dict(spec.get("settings") or {})
+    problem = unknown_trainer_settings(settings)
+    if problem:
+        raise ValueError(problem)
     return ZeroOneTrainingArguments(
         output_dir=str(Path(spec["run_dir"]) / "trainer"),
         optim_compression=name if name in ("onebit_adam", "zeroone_adam") else "adamw_torch",
@@ -100,6 +123,7 @@ def training_arguments(spec: dict):  # noqa: ANN201 - ZeroOneTrainingArguments, 
         save_strategy="no",
         logging_steps=spec["log_every"],
         disable_tqdm=True,
+        **settings,
     )
 
 

@@ -273,3 +273,23 @@ def test_settings_that_are_not_a_json_object_stop_the_suite_before_any_run(tmp_p
         with pytest.raises(SystemExit, match="--settings"):
             suite.main(["--settings", bad, "--output_dir", str(tmp_path)])
     assert not (tmp_path / "runs").exists()
+
+
+def test_settings_reach_the_finetune_rows_as_trainer_arguments_and_others_stop_the_suite(tmp_path):
+    """--settings on finetune: Trainer argument fields reach it; an optimizer-only knob stops the suite."""
+    suite = _load_suite()
+    with pytest.raises(SystemExit, match=r"\['exact_messages'\] are not ZeroOneTrainingArguments fields"):
+        suite.main(["--workloads", "finetune", "--settings", '{"exact_messages": true}', "--output_dir", str(tmp_path)])
+    assert not (tmp_path / "runs").exists()
+    from suite.finetune import training_arguments
+
+    spec = {"optimizer": "zeroone_adam", "run_dir": str(tmp_path), "lr": 1e-4, "epochs": 1.0, "warmup_ratio": 0.1}
+    spec.update(seed=0, log_every=5, settings={"exact_step_dtype": "float8_e4m3fn", "local_step_clipper": 1})
+    args = training_arguments(spec)
+    assert (args.exact_step_dtype, args.local_step_clipper, args.optim_compression) == (
+        "float8_e4m3fn",
+        1,
+        "zeroone_adam",
+    )
+    with pytest.raises(ValueError, match="not ZeroOneTrainingArguments fields"):
+        training_arguments({**spec, "settings": {"clip_to_variance": False}})

@@ -85,7 +85,8 @@ class CompressedAdamBase(OptimizerBooks):
             allreduce, rounded on each worker and again after the average
             (:func:`hf_zeroone._two_stage.float8_allreduce`); the samples ride exact. A choice
             for slow links: it moved the frontier's and the suite's losses by no more than the
-            spread between seeds (``docs/frontier.md``), but is not the default yet.
+            spread between seeds (``docs/frontier.md``, ``docs/convergence.md``); not the default, as it
+            costs one more round per exact step.
             ``torch.float32`` (or ``None``): full precision (a DDP bucket's own dtype in the
             hook). It applies to fp32 gradients; fp16 and bf16 buckets go as they are, and
             compressed steps are unchanged.

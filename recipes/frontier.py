@@ -117,8 +117,9 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
         points.append((name, "zeroone_adam", m, settings))
     # a smaller largest sync gap than the default 16 (1: a sync every local-phase step); a sync costs 1/32 of
     # an fp32 step
+    five_exact = {"exact_warmup_steps": t // 20, "var_freeze_step": t * 30 // 100}
     for g, m in ((1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (8, 4)):
-        settings = {"exact_warmup_steps": t // 20, "var_freeze_step": t * 30 // 100, "local_step_clipper": g}
+        settings = {**five_exact, "local_step_clipper": g}
         points.append((f"0/1 Adam exact 5% freeze 30% gap {g} lr x{m}", "zeroone_adam", m, settings))
     for e in (5, 6.5):  # fewer variance steps in phase 1 pay for more exact steps
         settings = {"exact_warmup_steps": int(t * e / 100), "var_freeze_step": t * 30 // 100, "var_update_scaler": 8}
@@ -136,7 +137,7 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     f8 = {"exact_step_dtype": "float8_e4m3fn"}
     points += [(f"{n} float8", o, 1, f8) for n, o in (("1-bit Adam", "onebit_adam"), ("0/1 Adam", "zeroone_adam"))]
     for g, m in ((1, 2), (1, 4), (2, 2), (2, 4)):
-        settings = {"exact_warmup_steps": t // 20, "var_freeze_step": t * 30 // 100, "local_step_clipper": g, **f8}
+        settings = {**five_exact, "local_step_clipper": g, **f8}
         points.append((f"0/1 Adam exact 5% freeze 30% gap {g} float8 lr x{m}", "zeroone_adam", m, settings))
     if args.quick:
         keep = ("adamw lr x1", "adamw lr x2", "diloco H=8", "demo top-k 8", "post-local SGD period 4")

@@ -14,7 +14,7 @@ optimizer = ZeroOneAdam(  # a short schedule, to see every phase in 40 steps (re
     ddp_model.parameters(),
     lr=1e-3,
     weight_decay=0.01,
-    exact_warmup_steps=10,  # exact allreduces first (in bf16, the default exact_step_dtype)
+    exact_warmup_steps=10,  # exact averages first (as float8 messages, the default exact_step_dtype)
     var_freeze_step=20,  # 1-bit gradients with a few exact variance steps until here, then local steps
     var_update_scaler=2,
     local_step_scaler=5,

@@ -28,12 +28,13 @@ gradient clipping:
 * the same with 5% exact and the freeze at 30%, and a largest sync gap (``local_step_clipper``)
   of 1, 2, 4 or 8 instead of 16 ("gap G"; 1: a 1-bit sync at every local-phase step);
 * both at 2x and 4x the learning rate, their only knob shared with AdamW;
-* both with their exact steps in full precision (``exact_step_dtype="float32"``; the default is
-  bf16), and 0/1 Adam with the paper's phase 1 (``exact_warmup_steps=0``: 1-bit gradients between
-  sparse variance steps) at 1x and 4x;
-* both with their exact steps sent as float8 messages (``exact_step_dtype="float8_e4m3fn"``, a
-  byte per element) at 1x, and 0/1 Adam's 5%-exact setting with a largest sync gap of 1 or 2 so
-  ("gap G float8"), at 2x and 4x the learning rate.
+* both with their exact steps in full precision (``exact_step_dtype="float32"``), and 0/1 Adam
+  with the paper's phase 1 (``exact_warmup_steps=0``: 1-bit gradients between sparse variance
+  steps) at 1x and 4x.
+
+Those hf_zeroone points send their exact steps in bf16 (named "... bf16"), the default when they
+ran; "1-bit Adam default", "0/1 Adam default" and 0/1 Adam's 5%-exact setting with a largest sync
+gap of 1 or 2 at 2x and 4x the learning rate run with today's defaults (float8 exact steps).
 
 Every other knob is each package's default. Bytes and rounds are counted as in the convergence
 suite (``suite/counting.py``; DiLoCo's fp32 pseudo-gradient allreduces, DeMo's own
@@ -57,6 +58,7 @@ sys.path.insert(0, str(HERE))
 from convergence import SuiteArguments, make_spec, prepare_lm_data  # noqa: E402 - needs the path
 from suite.launch import code_version, run  # noqa: E402
 
+HF_ZEROONE = ("onebit_adam", "zeroone_adam")
 LABELS = {
     "adamw": "AdamW",
     "powersgd": "PowerSGD r4 + AdamW",
@@ -102,9 +104,9 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
         points += [(f"demo top-k {k} lr x{m}", "demo", m, {"compression_top_k": k}) for k in (8, 32)]
         points.append((f"post-local SGD period 16 lr x{m}", "post_local_sgd", m, {"period": 16}))
     points.append(("demo top-k 8 lr x8", "demo", 8, {"compression_top_k": 8}))  # better at 4x than 2x on both
-    points.append(("1-bit Adam default", "onebit_adam", 1, {}))
+    points.append(("1-bit Adam", "onebit_adam", 1, {}))
     points += [(f"1-bit Adam freeze {f}%", "onebit_adam", 1, {"freeze_step": max(1, t * f // 100)}) for f in (10, 5)]
-    points.append(("0/1 Adam default", "zeroone_adam", 1, {}))
+    points.append(("0/1 Adam", "zeroone_adam", 1, {}))
     points.append(("0/1 Adam freeze 10%", "zeroone_adam", 1, {"var_freeze_step": max(2, t // 10)}))
     # a shorter exact phase at AdamW's best CLM learning rate: the cheapest points near its loss
     for f in (10, 5):
@@ -133,12 +135,17 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     points += [("1-bit Adam fp32 exact", "onebit_adam", 1, fp32), ("0/1 Adam fp32 exact", "zeroone_adam", 1, fp32)]
     paper = {"exact_warmup_steps": 0}
     points += [(f"0/1 Adam paper phase 1{x}", "zeroone_adam", m, paper) for x, m in (("", 1), (" lr x4", 4))]
-    # exact steps as float8 messages: a byte per element, half of bf16's
-    f8 = {"exact_step_dtype": "float8_e4m3fn"}
-    points += [(f"{n} float8", o, 1, f8) for n, o in (("1-bit Adam", "onebit_adam"), ("0/1 Adam", "zeroone_adam"))]
+    # every hf_zeroone point above ran with bf16 exact steps, the default until float8 replaced it (CHANGELOG):
+    # they keep bf16, named so; the defaults and the 1/20 setting run again with today's (float8) below
+    points = [
+        (f"{n} bf16", o, m, {**s, "exact_step_dtype": "bfloat16"}) if o in HF_ZEROONE and not s.get("exact_step_dtype")
+        else (n, o, m, s)
+        for n, o, m, s in points
+    ]  # fmt: skip
+    points += [(f"{n} default", o, 1, {}) for n, o in (("1-bit Adam", "onebit_adam"), ("0/1 Adam", "zeroone_adam"))]
     for g, m in ((1, 2), (1, 4), (2, 2), (2, 4)):
-        settings = {**five_exact, "local_step_clipper": g, **f8}
-        points.append((f"0/1 Adam exact 5% freeze 30% gap {g} float8 lr x{m}", "zeroone_adam", m, settings))
+        settings = {**five_exact, "local_step_clipper": g}
+        points.append((f"0/1 Adam exact 5% freeze 30% gap {g} lr x{m}", "zeroone_adam", m, settings))
     if args.quick:
         keep = ("adamw lr x1", "adamw lr x2", "diloco H=8", "demo top-k 8", "post-local SGD period 4")
         points = [p for p in points if p[0] in keep or p[0].endswith("default")]

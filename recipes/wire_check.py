@@ -4,7 +4,7 @@
     sudo python recipes/wire_check.py
 
 Runs AdamW, torchft DiLoCo (H=8), DeMo (top-k 8), post-local SGD (period 4), 1-bit Adam and 0/1
-Adam (with their defaults, and with their exact steps as float8 messages) on the quick CLM workload
+Adam (with their defaults, float8 exact steps, and with bf16 exact steps) on the quick CLM workload
 of ``frontier.py``, each in a fresh network namespace of its own (``recipes/bench/netns.py``), and
 compares what the suite counted (bytes each rank sent, summed over ranks) with the bytes the
 namespace's loopback carried. The wire carries more than training traffic: TCP/IP headers, the
@@ -35,10 +35,10 @@ POINTS = [
     ("DiLoCo H=8", "diloco", {"sync_every": 8}),
     ("DeMo top-k 8", "demo", {"compression_top_k": 8}),
     ("post-local SGD period 4", "post_local_sgd", {"period": 4}),
-    ("1-bit Adam", "onebit_adam", {}),
+    ("1-bit Adam", "onebit_adam", {}),  # exact steps as float8 messages, the default
     ("0/1 Adam", "zeroone_adam", {}),
-    ("1-bit Adam float8", "onebit_adam", {"exact_step_dtype": "float8_e4m3fn"}),
-    ("0/1 Adam float8", "zeroone_adam", {"exact_step_dtype": "float8_e4m3fn"}),
+    ("1-bit Adam bf16", "onebit_adam", {"exact_step_dtype": "bfloat16"}),
+    ("0/1 Adam bf16", "zeroone_adam", {"exact_step_dtype": "bfloat16"}),
 ]
 
 

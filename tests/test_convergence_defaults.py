@@ -59,9 +59,9 @@ def test_a_frozen_variance_follows_the_gradient_scale_in_one_process(name):
 
 def _lsq_ranks(rank, world):
     out = {name: _lsq(name, rank, world, batch=16) for name in ("adamw", "onebit", "zeroone")}
-    for name in ("onebit", "zeroone"):  # exact steps averaged in full precision, not the default bf16
+    for name in ("onebit", "zeroone"):  # exact steps in full precision and in bf16, not the default float8
         out[name + "_fp32"] = _lsq(name, rank, world, batch=16, exact_step_dtype="float32")
-        out[name + "_float8"] = _lsq(name, rank, world, batch=16, exact_step_dtype="float8_e4m3fn")
+        out[name + "_bf16"] = _lsq(name, rank, world, batch=16, exact_step_dtype="bfloat16")
     out["zeroone_gap1"] = _lsq("zeroone", rank, world, batch=16, local_step_clipper=1)
     return out
 
@@ -99,25 +99,24 @@ def test_zeroone_syncing_every_step_ends_where_onebit_adam_ends(lsq_two_ranks):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["onebit", "zeroone"])
 def test_bf16_exact_steps_end_where_full_precision_ones_do(lsq_two_ranks, name):
-    """The default exact_step_dtype (bf16) halves the exact steps' bytes without moving the result.
+    """exact_step_dtype="bfloat16" (the default before float8) halves the exact steps' bytes without moving the result.
 
-    Same run, exact steps (the first 200 of 640) averaged through the hook in bf16 (the default)
-    and in fp32: the final loss is within 2% of the fp32 run's. Measured: 1-bit Adam +0.09%, 0/1
-    Adam -0.27%.
+    Same run, exact steps (the first 200 of 640) averaged through the hook in bf16 and in fp32:
+    the final loss is within 2% of the fp32 run's. Measured: 1-bit Adam +0.09%, 0/1 Adam -0.27%.
     """
-    bf16, fp32 = lsq_two_ranks[name], lsq_two_ranks[name + "_fp32"]
+    bf16, fp32 = lsq_two_ranks[name + "_bf16"], lsq_two_ranks[name + "_fp32"]
     assert abs(bf16 / fp32 - 1) < 0.02, lsq_two_ranks
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["onebit", "zeroone"])
 def test_float8_exact_steps_end_where_full_precision_ones_do(lsq_two_ranks, name):
-    """exact_step_dtype="float8_e4m3fn" (a byte per element, a quarter of fp32's) ends where fp32 exact steps end.
+    """The default exact_step_dtype (float8, a byte per element, a quarter of fp32's) ends where fp32 exact steps end.
 
-    The same run as above with its exact steps sent as float8 messages: within 2% of the fp32
-    run's final loss.
+    The same run as above with its exact steps sent as float8 messages, the default: within 2% of
+    the fp32 run's final loss.
     """
-    float8, fp32 = lsq_two_ranks[name + "_float8"], lsq_two_ranks[name + "_fp32"]
+    float8, fp32 = lsq_two_ranks[name], lsq_two_ranks[name + "_fp32"]
     assert abs(float8 / fp32 - 1) < 0.02, lsq_two_ranks
 
 

@@ -235,13 +235,13 @@ def test_a_run_of_other_package_defaults_runs_again(monkeypatch):
     suite = _load_suite()
     args = suite.SuiteArguments()
     before = {name: suite.make_spec(args, "clm", name, Path("d"), Path("r"), 0) for name in ("onebit_adam", "adamw")}
-    assert before["onebit_adam"]["package_defaults"]["exact_step_dtype"] == "torch.bfloat16"
+    assert before["onebit_adam"]["package_defaults"]["exact_step_dtype"] == "torch.float8_e4m3fn"
     monkeypatch.setattr(_schedule, "FREEZE_PERCENT", _schedule.FREEZE_PERCENT + 10)
     after = {name: suite.make_spec(args, "clm", name, Path("d"), Path("r"), 0) for name in ("onebit_adam", "adamw")}
     assert not launch.same_run(before["onebit_adam"], after["onebit_adam"])
     assert launch.same_run(before["adamw"], after["adamw"])  # AdamW takes nothing from hf_zeroone
     finetune = suite.make_spec(args, "finetune", "zeroone_adam", Path("d"), Path("r"), 0)["package_defaults"]
-    assert finetune["trainer"]["exact_step_dtype"] == "'bfloat16'"  # built through the Trainer's arguments
+    assert finetune["trainer"]["exact_step_dtype"] == "'float8_e4m3fn'"  # built through the Trainer's arguments
 
 
 def _quick_onebit_lsq(out: Path, *extra: str) -> dict:

@@ -325,7 +325,14 @@ def test_compressed_steps_do_not_depend_on_the_loss_scale():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model_dtype, exact_step_dtype",
-    [(torch.bfloat16, None), (torch.bfloat16, "bfloat16"), (torch.bfloat16, "float32"), ("mixed", None)],
+    [
+        (torch.bfloat16, None),
+        (torch.bfloat16, "bfloat16"),
+        (torch.bfloat16, "float8_e4m3fn"),
+        (torch.bfloat16, "float32"),
+        ("mixed", None),
+        ("mixed", "float8_e4m3fn"),
+    ],
 )
 def test_a_bf16_model_hook_equals_step_and_sends_the_same_bytes(model_dtype, exact_step_dtype):
     """bf16 parameters: the hook and ``step()`` agree bit for bit and send the same bytes, every step kind.

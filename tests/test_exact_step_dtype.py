@@ -59,21 +59,22 @@ def test_the_trainer_flag_reaches_the_optimizer(tmp_path):
     (default,) = parser.parse_args_into_dataclasses(base)
     (full,) = parser.parse_args_into_dataclasses([*base, "--exact_step_dtype", "float32"])
     params = [{"params": [torch.nn.Parameter(torch.zeros(2))]}]
-    assert build_optimizer(default, params).exact_step_dtype == torch.bfloat16  # the default
+    assert build_optimizer(default, params).exact_step_dtype == torch.float8_e4m3fn  # the default
     assert build_optimizer(full, params).exact_step_dtype == torch.float32
-    (f8,) = parser.parse_args_into_dataclasses([*base, "--exact_step_dtype", "float8_e4m3fn"])
-    assert build_optimizer(f8, params).exact_step_dtype == torch.float8_e4m3fn
+    (bf16,) = parser.parse_args_into_dataclasses([*base, "--exact_step_dtype", "bfloat16"])
+    assert build_optimizer(bf16, params).exact_step_dtype == torch.bfloat16
     with pytest.raises(SystemExit):  # argparse names the choices
         HfArgumentParser(ZeroOneTrainingArguments).parse_args_into_dataclasses(
             ["--output_dir", str(tmp_path), "--exact_step_dtype", "float16"]
         )
 
 
-def test_the_default_is_bf16_and_float32_or_none_is_full_precision():
+def test_the_default_is_float8_and_float32_or_none_is_full_precision():
     from hf_zeroone import OneBitAdam, ZeroOneAdam
 
     p = [torch.nn.Parameter(torch.zeros(2))]
     for cls in (OneBitAdam, ZeroOneAdam):
-        assert cls(p).exact_step_dtype is torch.bfloat16
+        assert cls(p).exact_step_dtype is torch.float8_e4m3fn
+        assert cls(p, exact_step_dtype="bfloat16").exact_step_dtype is torch.bfloat16
         assert cls(p, exact_step_dtype="float32").exact_step_dtype is torch.float32
         assert cls(p, exact_step_dtype=None).exact_step_dtype is None  # the gradients' own precision

@@ -73,20 +73,20 @@ class CompressedAdamBase(OptimizerBooks):
             would step thousands of learning rates, and, compressed, spread that to its neighbours.
             ``False`` is the papers' and DeepSpeed's maths.
         exact_step_dtype: the precision in which exact steps (1-bit Adam's warm-up, 0/1 Adam's
-            phase 1) average the gradients. ``torch.bfloat16`` (the default, or ``"bfloat16"``)
-            halves their bytes, most of what either optimizer sends in a run, as DDP's
-            ``bf16_compress_hook`` does for plain DDP: each gradient is rounded to 8 bits of
-            mantissa before the average. On the frontier and convergence workloads it moved the
-            final loss by no more than the spread between seeds (``docs/frontier.md``). The
-            samples of ``follow_gradient_scale`` that ride with them are rounded to bf16 too.
-            ``torch.float8_e4m3fn`` (or ``"float8_e4m3fn"``) halves them again: each parameter's
-            gradient travels in blocks of 128 elements, a byte per element (float8 with 3 bits of
-            mantissa) and a power-of-two scale per block (a byte), in the two collectives of the 1-bit
-            allreduce, rounded on each worker and again after the average
-            (:func:`hf_zeroone._two_stage.float8_allreduce`); the samples ride exact. A choice
-            for slow links: it moved the frontier's and the suite's losses by no more than the
-            spread between seeds (``docs/frontier.md``, ``docs/convergence.md``); not the default, as it
-            costs one more round per exact step.
+            phase 1) average the gradients, most of what either optimizer sends in a run.
+            ``torch.float8_e4m3fn`` (the default, or ``"float8_e4m3fn"``) sends a quarter of
+            fp32's bytes: each parameter's gradient travels in blocks of 128 elements, a byte per
+            element (float8 with 3 bits of mantissa) and a power-of-two scale per block (a byte),
+            in the two collectives of the 1-bit allreduce, rounded on each worker and again after
+            the average (:func:`hf_zeroone._two_stage.float8_allreduce`); the samples of
+            ``follow_gradient_scale`` ride exact. On the frontier, the convergence suite and the
+            run-length sweep it moved the final loss by no more than the spread between seeds
+            against bf16 (``docs/frontier.md``, ``docs/convergence.md``); it costs one more round
+            per exact step (two collectives where bf16 makes one).
+            ``torch.bfloat16`` (or ``"bfloat16"``; the default until float8 replaced it, CHANGELOG)
+            sends half of fp32's bytes in one collective, as DDP's ``bf16_compress_hook`` does for
+            plain DDP: each gradient is rounded to 8 bits of mantissa before the average, and the
+            samples with it.
             ``torch.float32`` (or ``None``): full precision (a DDP bucket's own dtype in the
             hook). It applies to fp32 gradients; fp16 and bf16 buckets go as they are, and
             compressed steps are unchanged.

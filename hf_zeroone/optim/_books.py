@@ -66,7 +66,7 @@ class OptimizerBooks(Optimizer):
         check_replicas_every: int = 0,
         follow_gradient_scale: bool = True,
         clip_to_variance: bool = True,
-        exact_step_dtype: torch.dtype | str | None = torch.bfloat16,
+        exact_step_dtype: torch.dtype | str | None = torch.float8_e4m3fn,
     ) -> None:
         _check_int("check_replicas_every", check_replicas_every, 0)
         #: what exact steps send fp32 gradients in (None: as they are); see :meth:`exact_message_dtype`

@@ -145,7 +145,8 @@ def optimizer_kwargs(
     if "exact_step_dtype" not in given:
         _differs(
             "the exact steps' precision",
-            "hf_zeroone averages fp32 gradients in bf16 by default, half the bytes; DeepSpeed sent them in fp32 "
+            "hf_zeroone averages fp32 gradients as float8 messages by default, a quarter of the bytes; DeepSpeed "
+            "sent them in fp32 "
             "(pass exact_step_dtype=torch.float32, or --exact_step_dtype float32, to reproduce an old run)",
         )
     if cls is ZeroOneAdam and "exact_warmup_steps" not in given:

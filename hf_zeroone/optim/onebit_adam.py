@@ -96,7 +96,7 @@ class OneBitAdam(CompressedAdamBase):
         check_replicas_every: int = 0,
         follow_gradient_scale: bool = True,
         clip_to_variance: bool = True,
-        exact_step_dtype: torch.dtype | str | None = torch.bfloat16,
+        exact_step_dtype: torch.dtype | str | None = torch.float8_e4m3fn,
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:

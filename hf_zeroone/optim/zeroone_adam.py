@@ -102,8 +102,8 @@ class ZeroOneAdam(CompressedAdamBase):
         exact_warmup_steps: number of first steps that are all exact variance steps. ``None``
             (the default): all of phase 1, every step before ``var_freeze_step``, so ``v`` is
             estimated as Adam estimates it and 0/1 Adam's savings come from its local phase. With
-            the exact steps in bf16 (``exact_step_dtype``) that sends less than the paper's schedule
-            with its steps in fp32, and lands closer to AdamW: on the 2-layer GPT-2 of the
+            the exact steps in float8 or bf16 (``exact_step_dtype``) that sends less than the
+            paper's schedule with its steps in fp32, and lands closer to AdamW: on the 2-layer GPT-2 of the
             run-length sweep (200, 400 and 800 steps, 4 seeds) 0/1 Adam ended +1.9 to +4.1% above
             AdamW with the exact steps limited to the LR warm-up and 1-bit gradients after it, and
             +1.2 to +2.5% with phase 1 exact (CHANGELOG). ``0`` is the paper's and DeepSpeed's
@@ -144,7 +144,7 @@ class ZeroOneAdam(CompressedAdamBase):
         check_replicas_every: int = 0,
         follow_gradient_scale: bool = True,
         clip_to_variance: bool = True,
-        exact_step_dtype: torch.dtype | str | None = torch.bfloat16,
+        exact_step_dtype: torch.dtype | str | None = torch.float8_e4m3fn,
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:

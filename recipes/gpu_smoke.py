@@ -16,7 +16,7 @@ with 0/1 Adam, through every phase of their schedules (0/1 Adam on a side CUDA s
 * with 4+ ranks, data-parallel sub-groups (2 x P/2): each group keeps its replicas identical.
 
 ``--compare`` then checks the losses of the GPU run against the CPU run (the first exact steps,
-whose gradients are averaged in bf16 by default, to a relative 1e-4; the rest on average) and the
+whose gradients travel as float8 messages by default, to a relative 1e-4; the rest on average) and the
 bytes per step (equal).
 """
 

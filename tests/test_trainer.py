@@ -65,11 +65,12 @@ def test_trainer_trains_with_each_optimizer(tmp_path, optim):
         assert {"comm/bytes_sent", "comm/bytes_total", "comm/compression_ratio", "comm/local_phase"} <= set(entry)
     warmup_bytes = steps[0]["comm/bytes_sent"]
     assert warmup_bytes > 0
-    # after the exact phase, compressed steps send at most 1/12 of an exact step (which is in bf16:
-    # about 1/16 on this small model, with its per-segment scales)
+    # after the exact phase, compressed steps send at most 1/6 of an exact step (float8 messages, a
+    # quarter of fp32's bytes, so 1/8 on a large model; about 1/7 on this small model, with the
+    # per-segment scales and the per-parameter blocks)
     compressed = [e["comm/bytes_sent"] for e in steps[8:] if 0 < e["comm/bytes_sent"] < warmup_bytes]
     assert compressed, [e["comm/bytes_sent"] for e in steps]
-    assert max(compressed) <= warmup_bytes / 12
+    assert max(compressed) <= warmup_bytes / 6
     if optim == "zeroone_adam":
         assert any(e["comm/bytes_sent"] == 0 for e in steps)  # local steps
         assert steps[-1]["comm/local_phase"] == 1

@@ -53,3 +53,21 @@ def test_the_recorded_command_runs_as_it_ran_when_copied_into_a_shell(tmp_path, 
     recorded = json.loads((tmp_path / "frontier.json").read_text())["commands"]["clm"]
     command = recorded.split("`")[1]
     assert shlex.split(command) == ["python", "recipes/frontier.py", *argv]
+
+
+def test_the_grid_names_the_exact_step_dtype_of_every_hf_zeroone_point():
+    """Points that ran on the old bf16 default keep bf16 and say so; unsuffixed ones take today's default."""
+    sys.path.insert(0, str(RECIPES))
+    import frontier
+
+    points = frontier.grid(frontier.FrontierArguments(output_dir="unused"))
+    names = [p[0] for p in points]
+    assert len(names) == len(set(names))
+    for name, method, _, settings in points:
+        if method not in frontier.HF_ZEROONE:
+            continue
+        dtype = settings.get("exact_step_dtype")
+        assert name.endswith(" bf16") == (dtype == "bfloat16"), (name, settings)
+        assert dtype in (None, "bfloat16", "float32"), (name, settings)  # None: the package default, float8
+    defaults = {p[0]: p[3] for p in points if p[0].endswith("default")}
+    assert defaults == {"1-bit Adam default": {}, "0/1 Adam default": {}}

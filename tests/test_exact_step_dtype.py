@@ -78,3 +78,23 @@ def test_the_default_is_float8_and_float32_or_none_is_full_precision():
         assert cls(p, exact_step_dtype="bfloat16").exact_step_dtype is torch.bfloat16
         assert cls(p, exact_step_dtype="float32").exact_step_dtype is torch.float32
         assert cls(p, exact_step_dtype=None).exact_step_dtype is None  # the gradients' own precision
+
+
+def test_the_trainer_and_the_benchmark_default_to_the_optimizers_default():
+    """The default is written as a literal in the Trainer arguments and the benchmark CLI: they must not drift."""
+    import inspect
+    import sys
+    from dataclasses import fields
+    from pathlib import Path
+
+    from hf_zeroone.integrations.training_args import ZeroOneTrainingArguments
+    from hf_zeroone.optim._step_kind import check_exact_step_dtype
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    from bench.cli import build_parser
+
+    default = inspect.signature(OneBitAdam).parameters["exact_step_dtype"].default
+    assert inspect.signature(ZeroOneAdam).parameters["exact_step_dtype"].default is default
+    trainer = next(f.default for f in fields(ZeroOneTrainingArguments) if f.name == "exact_step_dtype")
+    bench = build_parser().parse_args([]).exact_step_dtype
+    assert check_exact_step_dtype(trainer) is default and check_exact_step_dtype(bench) is default

@@ -160,7 +160,7 @@ def run_method(
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ddp = DistributedDataParallel(model, **_ddp_kwargs())
     adam = {"lr": cfg["lr"], "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": cfg["weight_decay"]}
-    exact = {"exact_step_dtype": cfg.get("exact_step_dtype", "float8_e4m3fn")}
+    exact = {"exact_step_dtype": cfg["exact_step_dtype"]} if cfg.get("exact_step_dtype") else {}  # else theirs
     counter: HookCounter | None = None
     if method == "onebit":
         opt: torch.optim.Optimizer = OneBitAdam(ddp.parameters(), **adam, **exact, freeze_step=cfg["warmup_steps"])

@@ -35,7 +35,9 @@ gradient clipping:
 Those hf_zeroone points send their exact steps in bf16 (named "... bf16"), the default when they
 ran; "1-bit Adam default", "0/1 Adam default", 0/1 Adam's 5%-exact setting with a largest sync
 gap of 1 or 2 at 2x and 4x the learning rate, its 2.5%- and 5%-exact settings at 4x and its
-paper phase 1 run with today's defaults (float8 exact steps).
+paper phase 1 run with today's defaults (float8 exact steps), as do the cheapest points: the paper's
+phase 1 frozen at 2.5% of the run (1x, 2x, 4x) or 1.25% (4x), with ``var_update_scaler=4`` and a
+largest sync gap of 64 or 128.
 
 Every other knob is each package's default. Bytes and rounds are counted as in the convergence
 suite (``suite/counting.py``; DiLoCo's fp32 pseudo-gradient allreduces, DeMo's own
@@ -152,6 +154,12 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
         settings = {"exact_warmup_steps": max(1, int(t * e / 100)), "var_freeze_step": max(2, t * f // 100)}
         points.append((f"0/1 Adam exact {e:g}% freeze {f}% lr x4", "zeroone_adam", 4, settings))
     points += [(f"0/1 Adam paper phase 1{x}", "zeroone_adam", m, paper) for x, m in (("", 1), (" lr x4", 4))]
+    # below 80 MB, where DiLoCo's long intervals win: the paper's phase 1 frozen early, few variance steps,
+    # long sync gaps (0/1 Adam as a local-step method)
+    for f, g, multipliers in ((2.5, 64, (1, 2, 4)), (1.25, 128, (4,))):
+        cheap = {**paper, "var_freeze_step": max(2, int(t * f / 100)), "var_update_scaler": 4, "local_step_clipper": g}
+        name = f"0/1 Adam paper phase 1 freeze {f:g}% var scaler 4 gap {g}"
+        points += [(f"{name} lr x{m}", "zeroone_adam", m, cheap) for m in multipliers]
     if args.quick:
         keep = ("adamw lr x1", "adamw lr x2", "diloco H=8", "demo top-k 8", "post-local SGD period 4")
         points = [p for p in points if p[0] in keep or p[0].endswith("default")]

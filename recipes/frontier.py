@@ -37,7 +37,8 @@ ran. These run with today's defaults (float8 exact steps): "1-bit Adam default",
 default"; 0/1 Adam's 5%-exact setting with a largest sync gap of 1 or 2, its 2.5%- and 5%-exact
 settings and its paper phase 1, each at 2x and 4x the learning rate (the paper phase 1 at 1x
 too); and the cheapest points: the paper's phase 1 frozen at 2.5% of the run (1x, 2x, 4x) or
-1.25% (4x), with ``var_update_scaler=4`` and a largest sync gap of 64 or 128.
+1.25% (4x), with ``var_update_scaler=4`` and a largest sync gap of 64 or 128, and at 2.5% with
+gaps of 256 or 500 reached sooner (``local_step_scaler`` 10 or 5).
 
 Every other knob is each package's default. Bytes and rounds are counted as in the convergence
 suite (``suite/counting.py``; DiLoCo's fp32 pseudo-gradient allreduces, DeMo's own
@@ -163,6 +164,10 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
         cheap = {**paper, "var_freeze_step": max(2, int(t * f / 100)), "var_update_scaler": 4, "local_step_clipper": g}
         name = f"0/1 Adam paper phase 1 freeze {f:g}% var scaler 4 gap {g}"
         points += [(f"{name} lr x{m}", "zeroone_adam", m, cheap) for m in multipliers]
+    for scaler, g, ls, m in ((2, 500, 5, 1), (2, 500, 5, 2), (4, 256, 10, 2)):  # DiLoCo's budget: longer gaps
+        cheap = {**paper, "var_freeze_step": t // 40, "var_update_scaler": scaler, "local_step_clipper": g}
+        name = f"0/1 Adam paper phase 1 freeze 2.5% var scaler {scaler} gap {g} local scaler {ls} lr x{m}"
+        points.append((name, "zeroone_adam", m, {**cheap, "local_step_scaler": ls}))
     if args.quick:
         keep = ("adamw lr x1", "adamw lr x2", "diloco H=8", "demo top-k 8", "post-local SGD period 4")
         points = [p for p in points if p[0] in keep or p[0].endswith("default")]

@@ -38,7 +38,8 @@ default"; 0/1 Adam's 5%-exact setting with a largest sync gap of 1 or 2, its 2.5
 settings and its paper phase 1, each at 2x and 4x the learning rate (the paper phase 1 at 1x
 too); and the cheapest points: the paper's phase 1 frozen at 2.5% of the run (1x, 2x, 4x) or
 1.25% (4x), with ``var_update_scaler=4`` and a largest sync gap of 64 or 128, and at 2.5% with
-gaps of 256 or 500 reached sooner (``local_step_scaler`` 10 or 5).
+gaps of 256 or 500 reached sooner (``local_step_scaler`` 10 or 5); two of them also with every
+1-bit message averaged exactly in fp32 ("... exact messages", a diagnostic).
 
 Every other knob is each package's default. Bytes and rounds are counted as in the convergence
 suite (``suite/counting.py``; DiLoCo's fp32 pseudo-gradient allreduces, DeMo's own
@@ -64,6 +65,11 @@ from convergence import SuiteArguments, make_spec, prepare_lm_data  # noqa: E402
 from suite.launch import code_version, run  # noqa: E402
 
 HF_ZEROONE = ("onebit_adam", "zeroone_adam")
+#: the cheap 0/1 Adam points that the grid also runs with exact (fp32) messages
+DIAGNOSED = (
+    "0/1 Adam paper phase 1 freeze 2.5% var scaler 4 gap 64 lr x2",
+    "0/1 Adam paper phase 1 freeze 2.5% var scaler 2 gap 500 local scaler 5 lr x1",
+)
 LABELS = {
     "adamw": "AdamW",
     "powersgd": "PowerSGD r4 + AdamW",
@@ -168,6 +174,10 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
         cheap = {**paper, "var_freeze_step": t // 40, "var_update_scaler": scaler, "local_step_clipper": g}
         name = f"0/1 Adam paper phase 1 freeze 2.5% var scaler {scaler} gap {g} local scaler {ls} lr x{m}"
         points.append((name, "zeroone_adam", m, {**cheap, "local_step_scaler": ls}))
+    # a diagnostic, not a setting to use: the same with every 1-bit message averaged exactly in fp32
+    # (the suite's exact_messages), to part what compression costs from what the local steps cost
+    for name, _, m, settings in [p for p in points if p[0] in DIAGNOSED]:
+        points.append((f"{name} exact messages", "zeroone_adam", m, {**settings, "exact_messages": True}))
     if args.quick:
         keep = ("adamw lr x1", "adamw lr x2", "diloco H=8", "demo top-k 8", "post-local SGD period 4")
         points = [p for p in points if p[0] in keep or p[0].endswith("default")]

@@ -71,3 +71,13 @@ def test_the_grid_names_the_exact_step_dtype_of_every_hf_zeroone_point():
         assert dtype in (None, "bfloat16", "float32"), (name, settings)  # None: the package default, float8
     defaults = {p[0]: p[3] for p in points if p[0].endswith("default")}
     assert defaults == {"1-bit Adam default": {}, "0/1 Adam default": {}}
+
+
+def test_every_diagnosed_point_has_its_exact_messages_twin():
+    """A renamed cheap point must not drop its diagnostic silently: the twin differs only in exact_messages."""
+    sys.path.insert(0, str(RECIPES))
+    import frontier
+
+    settings = {p[0]: p[3] for p in frontier.grid(frontier.FrontierArguments(output_dir="unused"))}
+    for name in frontier.DIAGNOSED:
+        assert settings[f"{name} exact messages"] == {**settings[name], "exact_messages": True}

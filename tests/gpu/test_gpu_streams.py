@@ -85,11 +85,11 @@ def test_a_compressed_allreduce_does_not_sync_the_host():
     layout = ChunkLayout.from_mask(100_000, 4, torch.arange(100_000) % 5 != 0, CUDA, segment_starts=[777])
     we, se = torch.zeros(layout.padded, device=CUDA), torch.zeros(layout.chunk, device=CUDA)
     comm.compressed_allreduce(torch.randn(layout.padded, device=CUDA), we, se, layout)  # warm caches
+    bad = torch.randn(layout.padded, device=CUDA)
+    bad[3] = float("nan")  # before the check: writing a Python number copies it from the host
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        bad = torch.randn(layout.padded, device=CUDA)
-        bad[3] = float("nan")
         futs = [
             comm.compressed_allreduce_async(torch.randn(layout.padded, device=CUDA), we, se, layout),
             comm.compressed_allreduce_async(bad, we, se, layout),

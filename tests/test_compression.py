@@ -6,6 +6,9 @@ from hypothesis import strategies as st
 from hf_zeroone.compression import (
     ChunkLayout,
     _pack_signs_torch,
+    _per_element,
+    _sign_table,
+    _unpack_signs_elementwise,
     compression_error,
     decompress,
     pack_signs,
@@ -55,6 +58,26 @@ def test_pack_unpack_round_trip_and_both_pack_paths_agree(nbytes, seed):
     assert torch.equal(unpack_signs(packed), _expected_signs(x))
     # the torch-only unpack path (dtypes NumPy lacks) decodes the same signs
     assert torch.equal(unpack_signs(packed, torch.bfloat16).float(), _expected_signs(x))
+    # and so does the accelerators' element-wise form, run here on the CPU
+    for dtype in (torch.float32, torch.bfloat16):
+        elementwise = _unpack_signs_elementwise(packed, _sign_table(dtype, packed.device)).reshape(-1)
+        assert elementwise.dtype == dtype and torch.equal(elementwise.float(), _expected_signs(x))
+
+
+def test_the_accelerators_one_pass_scales_give_the_per_segment_bits():
+    """Decompression and the compression error on a GPU expand the scales over their segments in one pass;
+    run here on the CPU, that form gives the per-segment loop's bits (empty segments, zeros, huge and tiny scales)."""
+    n = 4096
+    bounds = (0, 5, 5, 1000, 3000, n)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, generator=g)
+    x[::97], x[1::97] = 0.0, -0.0
+    scales = torch.tensor([0.3, 0.0, 1e-30, 7.25, 3.0e38])
+    expanded = _per_element(scales, bounds)
+    one_pass = x - torch.copysign(expanded, x)
+    per_segment = compression_error(x, scales, bounds, out=torch.empty(n))
+    assert torch.equal(one_pass.view(torch.int32), per_segment.view(torch.int32))
+    assert torch.equal(unpack_signs(pack_signs(x)).mul_(expanded), decompress(pack_signs(x), scales, bounds))
 
 
 def test_pack_bit_order_first_element_is_most_significant():

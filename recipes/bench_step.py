@@ -8,6 +8,7 @@ optimizer, set up so that every timed step is of that kind::
 
     python recipes/bench_step.py                       # CPU, a 24-layer BERT of width 64 (400+ tensors)
     python recipes/bench_step.py --device cuda --fused # on a GPU, also against AdamW(fused=True)
+    python recipes/bench_step.py --profile             # where each phase's launches come from (step_sites.py)
 
 Prints a markdown table (median milliseconds per step, the ratio to AdamW, and the range of that
 ratio over the rounds). Machines are shared and noisy: the ratios inside one run are the figure,
@@ -88,6 +89,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--fused", action="store_true", help="also time AdamW(fused=True) (CUDA)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    parser.add_argument(
+        "--profile", action="store_true", help="instead of timing, count each phase's launches per source line"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args.layers, args.width).to(args.device)
@@ -97,6 +101,9 @@ def main() -> None:
     baselines = {"AdamW(foreach=True)": lambda: torch.optim.AdamW(params, lr=1e-3, foreach=True)}
     if args.fused:
         baselines["AdamW(fused=True)"] = lambda: torch.optim.AdamW(params, lr=1e-3, fused=True)
+    if args.profile:
+        profile(baselines, params, args.device)
+        return
     rounds: list[dict[str, list[float]]] = []
     for _ in range(args.rounds):  # interleaved, so a noisy stretch of the machine hits every row
         timings: dict[str, list[float]] = {}
@@ -107,6 +114,23 @@ def main() -> None:
             timings[name] = time_steps(opt, params, before, args.steps)
         rounds.append(timings)
     print(table(rounds))
+
+
+def profile(baselines: dict, params: list[torch.Tensor], device: str) -> None:
+    """One step of each phase under the profiler (``step_sites``): launches, syncs and host time per source line."""
+    from step_sites import profile_step, sites_table
+
+    cuda = torch.device(device).type == "cuda"
+    entries = [(name, make, 2) for name, make in baselines.items()]
+    entries += [
+        (name, lambda c=cls, k=kw: c(params, lr=1e-3, **k), before) for name, (cls, kw, before) in PHASES.items()
+    ]
+    for name, make, before in entries:
+        opt = make()
+        time_steps(opt, params, before, 1)  # the state a timed step starts from
+        sites, whole = profile_step(opt.step, cuda)
+        kind = getattr(opt, "last_step_kind", None)
+        print(f"### {name}{f' ({kind.value})' if kind is not None else ''}\n\n{sites_table(sites, whole)}\n")
 
 
 def table(rounds: list[dict[str, list[float]]]) -> str:

@@ -39,3 +39,23 @@ def test_every_phase_runs_and_is_reported(tmp_path):
         assert name in rows, (name, proc.stdout)
         cells = [c.strip() for c in rows[name].strip("|").split("|")]
         assert float(cells[1]) > 0 and cells[2].endswith("x") and cells[3].endswith("x")
+
+
+def test_profile_counts_launches_per_hf_zeroone_line(tmp_path):
+    cmd = [sys.executable, str(RECIPES / "bench_step.py"), "--layers", "1", "--width", "16", "--profile"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sections = proc.stdout.split("### ")[1:]
+    bench = _load()
+    assert [s.splitlines()[0].rsplit(" (", 1)[0] for s in sections] == ["AdamW(foreach=True)", *bench.PHASES]
+    for section in sections[1:]:  # each phase of ours: its launches come from named lines of hf_zeroone
+        rows = [
+            [c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| ")
+        ]
+        lines = {r[0]: r for r in rows[1:]}
+        named = [r for name, r in lines.items() if name.endswith(tuple("0123456789")) and ".py:" in name]
+        assert named and all(int(r[2]) >= 0 for r in named), section
+        total = next(r for name, r in lines.items() if name.startswith("all "))
+        assert int(total[2]) >= sum(int(r[2]) for r in named) > 0, section
+        assert float(lines["whole step (Python included)"][4]) > 0, section

@@ -203,9 +203,11 @@ class GradientScale:
                 if not params:
                     continue
                 q = local_samples(group, params, [v for p, v in zip(params, values) if _G in state_of(p)])
-                pending = [
-                    state_of(p).setdefault(_P, torch.zeros((), dtype=torch.float32, device=p.device)) for p in params
-                ]
+                states = [state_of(p) for p in params]
+                for st, p in zip(states, params):
+                    if _P not in st:  # made once per sync gap, not on every local step
+                        st[_P] = torch.zeros((), dtype=torch.float32, device=p.device)
+                pending = [st[_P] for st in states]
                 torch._foreach_add_(pending, list(q.to(torch.float32).unbind()))
                 continue
             taken = [(p, v, *samples[p]) for p, v in zip(params, values) if p in samples and _G in state_of(p)]
@@ -247,7 +249,7 @@ class GradientScale:
     @staticmethod
     def pending(state: dict[str, Any], like: Tensor) -> Tensor:
         """This rank's local samples summed since the last sync (zero if none)."""
-        return state.get(_P, torch.zeros((), dtype=torch.float32, device=like.device))
+        return state[_P] if _P in state else torch.zeros((), dtype=torch.float32, device=like.device)
 
     @staticmethod
     def noise_excess(states: Sequence[dict[str, Any]], beta2: float, schedule: dict[str, Any]) -> Tensor | None:

@@ -44,7 +44,6 @@ non-finite value gets the exponent byte -128 and decodes to NaN.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,6 +74,7 @@ _GATHER_BITS = 0x8040201008040201 - (1 << 64)
 FLOAT8_BLOCK = 128
 _FLOAT8_MAX = 448.0  # the largest finite float8_e4m3fn
 _NAN_EXPONENT = -128  # a block with a non-finite element
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
@@ -114,9 +114,10 @@ def pack_signs(x: Tensor) -> Tensor:
 
 def _pack_signs_torch(x: Tensor) -> Tensor:
     """:func:`pack_signs` in torch operations only (any device, any floating dtype)."""
-    positive = torch.logical_not(torch.signbit(x)).to(torch.uint8).reshape(-1, _BITS_PER_BYTE)
-    words = positive.view(torch.int64).reshape(-1)
-    packed = ((words * _GATHER_BITS) >> 56) & 0xFF
+    # the sign bit is clear exactly where the bits, read as a signed integer, are not negative
+    positive = x.view(_SAME_SIZE_INT[x.element_size()]) >= 0
+    words = positive.view(torch.uint8).reshape(-1, _BITS_PER_BYTE).view(torch.int64).reshape(-1)
+    packed = (words * _GATHER_BITS) >> 56  # the cast to uint8 keeps the low byte: the eight bits
     return packed.to(torch.uint8).reshape(*x.shape[:-1], x.shape[-1] // _BITS_PER_BYTE)
 
 
@@ -174,20 +175,6 @@ def _segments(x: Tensor, bounds: Sequence[int]) -> list[Tensor]:
     return [x[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-@functools.lru_cache(maxsize=256)
-def _segment_lengths(bounds: tuple[int, ...], device: torch.device) -> Tensor:
-    return torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])]).to(device)
-
-
-def _per_element(scales: Tensor, bounds: Sequence[int]) -> Tensor:
-    """Each segment's scale repeated over its elements: one pass on an accelerator, where a call per segment
-    is a kernel launch per tensor. The values are the scales themselves, so the products match the CPU's
-    per-segment form bit for bit. The lengths are cached per layout (a copy from the host waits for the device).
-    """
-    lengths = _segment_lengths(tuple(bounds), scales.device)
-    return torch.repeat_interleave(scales, lengths, output_size=bounds[-1])
-
-
 def _check_bounds(x: Tensor, scales_or_counts: Tensor, bounds: Sequence[int]) -> None:
     if len(bounds) != scales_or_counts.numel() + 1 or bounds[0] != 0 or bounds[-1] != x.numel():
         raise ValueError(
@@ -215,12 +202,9 @@ def compression_error(x: Tensor, scales: Tensor, bounds: Sequence[int], out: Ten
     ``out`` must not overlap ``x``. The signs are the ones :func:`pack_signs` sends.
     """
     _check_bounds(x, scales, bounds)
-    if x.device.type != "cpu":
-        torch.copysign(_per_element(scales, bounds), x, out=out)
-    else:
-        for j, (x_seg, out_seg) in enumerate(zip(_segments(x, bounds), _segments(out, bounds))):
-            if x_seg.numel():
-                torch.copysign(scales[j], x_seg, out=out_seg)
+    for j, (x_seg, out_seg) in enumerate(zip(_segments(x, bounds), _segments(out, bounds))):
+        if x_seg.numel():
+            torch.copysign(scales[j], x_seg, out=out_seg)
     return torch.sub(x, out, out=out)
 
 
@@ -228,8 +212,6 @@ def decompress(packed: Tensor, scales: Tensor, bounds: Sequence[int]) -> Tensor:
     """``C[x]`` from its packed signs and segment scales: a new flat float32 tensor."""
     out = unpack_signs(packed).reshape(-1)
     _check_bounds(out, scales, bounds)
-    if out.device.type != "cpu":
-        return out.mul_(_per_element(scales, bounds))
     pairs = [(view, scale) for view, scale in zip(_segments(out, bounds), scales.unbind()) if view.numel()]
     if pairs:
         views, factors = zip(*pairs)

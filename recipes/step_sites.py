@@ -85,6 +85,8 @@ def profile_step(step: Callable[[], object], cuda: bool) -> tuple[dict[str, dict
     )
     whole = 0.0
     for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue  # the kernels themselves, and the device's copy of each named range
         name = event.name
         if name == _WHOLE:
             whole += event.cpu_time_total / 1e3

@@ -90,8 +90,8 @@ def test_the_whole_compressed_allreduce_arithmetic_agrees_with_the_cpu(world):
     # The loopback's ranks all send this rank's signs, so the server's average is its own 1-bit
     # image and the server error holds only rounding residue: each device's float32 rounding of
     # the segment scales (a sum of thousands of equal values, sequential on the CPU, a tree on
-    # CUDA): up to 4.9e-5 on the CPU (400 units in the last place of the outputs); on an H200 the
-    # first elements differed from the CPU's by up to 1.7e-5. Compared at the outputs' scale, where a wrong sign or scale would show
-    # as a difference of order one.
+    # CUDA). Up to 4.9e-5 on the CPU (400 units in the last place of the outputs); on an H200
+    # the first elements differed from the CPU's by up to 1.7e-5. Compared at the outputs'
+    # scale, where a wrong sign or scale would show as a difference of order one.
     scale = out_cpu.abs().max()
     assert torch.allclose(se_cuda, se_cpu, rtol=0, atol=5e-4 * scale), (se_cuda - se_cpu).abs().max()

@@ -80,3 +80,26 @@ def non_finite_flag(t: Tensor) -> Tensor:
         return torch.zeros(1, dtype=torch.float32, device=t.device)
     low, high = torch.aminmax(t.detach().reshape(-1))
     return (~(torch.isfinite(low) & torch.isfinite(high))).to(torch.float32).reshape(1)
+
+
+def shape_groups(tensors: Sequence[Tensor], indices: Iterable[int]) -> list[list[int]]:
+    """``indices`` split by the shape, dtype and device of their tensors, in first-seen order.
+
+    Same-shaped tensors (a layer's weights, repeated in every layer) stack into one tensor, so an
+    operation with a different 0-dim operand per tensor (a per-tensor threshold or factor) runs
+    as one broadcast call per shape rather than one per tensor: multi-tensor operations take
+    such operands tensor by tensor, a kernel launch each on a GPU.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i in indices:
+        t = tensors[i]
+        groups.setdefault((t.shape, t.dtype, t.device), []).append(i)
+    return list(groups.values())
+
+
+def per_tensor_operand(values: Sequence[Tensor], group: Sequence[int], ndim: int) -> Tensor:
+    """The 0-dim ``values[i]`` for ``i`` in ``group``, stacked to broadcast over the group's tensors stacked.
+
+    ``ndim``: the dimensions of each tensor of the group (one call, no copy from the host).
+    """
+    return torch.stack([values[i] for i in group]).view(-1, *([1] * ndim))

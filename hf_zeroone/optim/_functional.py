@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import add_scalar_, div_scalar_, mul_scalar, mul_scalar_
+from hf_zeroone._tensors import add_scalar_, div_scalar_, mul_scalar, mul_scalar_, per_tensor_operand, shape_groups
 
 __all__ = [
     "adam_update",
@@ -73,17 +73,26 @@ def denominators(
     ``factors`` rescale a frozen variance (``follow_gradient_scale``, :mod:`._grad_scale`); an entry
     of ``None`` leaves its tensor unscaled.
     """
-    out = list(torch._foreach_sqrt(list(exp_avg_sqs)))
+    exp_avg_sqs = list(exp_avg_sqs)
     if factors is None or all(f is None for f in factors):
+        out = list(torch._foreach_sqrt(exp_avg_sqs))
         div_scalar_(out, math.sqrt(c2))
     else:
-        plain = [d for d, f in zip(out, factors) if f is None]
+        out: list[Tensor] = [None] * len(exp_avg_sqs)  # type: ignore[list-item]
+        plain = [i for i, f in enumerate(factors) if f is None]
         if plain:
-            div_scalar_(plain, math.sqrt(c2))
-        scaled = [(d, f) for d, f in zip(out, factors) if f is not None]
-        multipliers = torch.stack([f for _, f in scaled]).div_(c2).sqrt_()  # one computation for all tensors
-        dtype = scaled[0][0].dtype
-        torch._foreach_mul_([d for d, _ in scaled], list(multipliers.to(dtype).unbind()))
+            roots = list(torch._foreach_sqrt([exp_avg_sqs[i] for i in plain]))
+            div_scalar_(roots, math.sqrt(c2))
+            for i, d in zip(plain, roots):
+                out[i] = d
+        # the scaled ones, one call per shape (see shape_groups): sqrt(v) times sqrt(f / c2)
+        for group in shape_groups(exp_avg_sqs, (i for i, f in enumerate(factors) if f is not None)):
+            ndim = exp_avg_sqs[group[0]].dim()
+            multipliers = per_tensor_operand(factors, group, ndim).div(c2).sqrt_()
+            stacked = torch.stack([exp_avg_sqs[i] for i in group]).sqrt_()
+            stacked.mul_(multipliers.to(stacked.dtype))
+            for i, d in zip(group, stacked.unbind()):
+                out[i] = d
     add_scalar_(out, eps)
     return out
 

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_zeroone._tensors import per_tensor_operand, shape_groups
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._step_kind import StepKind
 
@@ -135,10 +136,21 @@ def scale_samples(
     any element is inactive (``None``: unknown, every tensor is masked). The tensors are one
     parameter group's.
     """
-    ratios = list(torch._foreach_div(F.as_dtype(grads, torch.float32), list(dens)))
-    for i, (r, d, floor) in enumerate(zip(ratios, dens, (means * IDLE_BELOW).unbind())):
-        if idle is None or idle[i]:
-            r.masked_fill_(d < floor, 0.0)
+    grads, dens = F.as_dtype(grads, torch.float32), list(dens)
+    masked = [i for i in range(len(grads)) if idle is None or idle[i]]
+    ratios: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
+    unmasked = sorted(set(range(len(grads))) - set(masked))
+    if unmasked:
+        quotients = torch._foreach_div([grads[i] for i in unmasked], [dens[i] for i in unmasked])
+        for i, r in zip(unmasked, quotients):
+            ratios[i] = r
+    floors = (means * IDLE_BELOW).unbind()
+    for group in shape_groups(dens, masked):  # one call per shape, not per tensor (see shape_groups)
+        stacked_dens = torch.stack([dens[i] for i in group])
+        stacked = torch.stack([grads[i] for i in group]).div_(stacked_dens)
+        stacked.masked_fill_(stacked_dens < per_tensor_operand(floors, group, stacked_dens.dim() - 1), 0.0)
+        for i, r in zip(group, stacked.unbind()):
+            ratios[i] = r
     return torch.stack(torch._foreach_norm(ratios)).square_().div_(counts)
 
 

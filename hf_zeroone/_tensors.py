@@ -82,19 +82,28 @@ def non_finite_flag(t: Tensor) -> Tensor:
     return (~(torch.isfinite(low) & torch.isfinite(high))).to(torch.float32).reshape(1)
 
 
+#: elements of one stacked group of :func:`shape_groups` at most (16 MB of float32): the stacked
+#: copies are transient memory, and tensors larger than this gain nothing from stacking
+GROUP_ELEMENTS = 1 << 22
+
+
 def shape_groups(tensors: Sequence[Tensor], indices: Iterable[int]) -> list[list[int]]:
     """``indices`` split by the shape, dtype and device of their tensors, in first-seen order.
 
     Same-shaped tensors (a layer's weights, repeated in every layer) stack into one tensor, so an
     operation with a different 0-dim operand per tensor (a per-tensor threshold or factor) runs
     as one broadcast call per shape rather than one per tensor: multi-tensor operations take
-    such operands tensor by tensor, a kernel launch each on a GPU.
+    such operands tensor by tensor, a kernel launch each on a GPU. A group holds at most
+    :data:`GROUP_ELEMENTS` elements (or one tensor, if larger), so stacking costs bounded memory.
     """
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list[list[int]]] = {}
     for i in indices:
         t = tensors[i]
-        groups.setdefault((t.shape, t.dtype, t.device), []).append(i)
-    return list(groups.values())
+        chunks = groups.setdefault((t.shape, t.dtype, t.device), [[]])
+        if chunks[-1] and (len(chunks[-1]) + 1) * t.numel() > GROUP_ELEMENTS:
+            chunks.append([])
+        chunks[-1].append(i)
+    return [chunk for chunks in groups.values() for chunk in chunks]
 
 
 def per_tensor_operand(values: Sequence[Tensor], group: Sequence[int], ndim: int) -> Tensor:

@@ -60,3 +60,60 @@ def test_scalar_helpers_give_the_bits_of_torchs_own_multi_tensor_ops(dtype):
         made = mul_scalar(tensors, value)
         assert all(torch.equal(a, b) for a, b in zip(made, torch._foreach_mul(tensors, value)))
         assert all(m is not t for m, t in zip(made, tensors))  # new tensors, the inputs untouched
+
+
+def test_shape_groups_keep_first_seen_order_split_by_dtype_and_bound_their_size(monkeypatch):
+    import hf_zeroone._tensors as T
+
+    ts = [torch.zeros(2, 3), torch.zeros(4), torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)]
+    ts += [torch.zeros(2, 3), torch.zeros(4)]
+    assert T.shape_groups(ts, range(6)) == [[0, 2, 4], [1, 5], [3]]
+    assert T.shape_groups(ts, [5, 4, 1]) == [[5, 1], [4]]
+    monkeypatch.setattr(T, "GROUP_ELEMENTS", 12)  # two 2x3 tensors per group at most; a larger one alone
+    assert T.shape_groups(ts + [torch.zeros(20)], [0, 2, 4, 6]) == [[0, 2], [4], [6]]
+
+
+def _reference_denominators(vs, c2, eps, factors):
+    """Tensor by tensor: sqrt(v) / sqrt(c2) + eps, or sqrt(v) * sqrt(f / c2) + eps with a factor."""
+    out = []
+    for v, f in zip(vs, factors):
+        d = v.sqrt()
+        d = d / torch.tensor(math.sqrt(c2)) if f is None else d * (f / c2).sqrt()
+        out.append(d + torch.tensor(eps))
+    return out
+
+
+def _reference_scale_samples(grads, dens, means, counts, idle, idle_below):
+    q = []
+    for i, (g, d) in enumerate(zip(grads, dens)):
+        r = g.float() / d
+        if idle is None or idle[i]:
+            r = r.masked_fill(d < means[i] * idle_below, 0.0)
+        q.append(torch.linalg.vector_norm(r))
+    return torch.stack(q).square() / counts
+
+
+@pytest.mark.parametrize("group_elements", [1 << 22, 40])
+def test_stacked_per_tensor_operands_give_the_tensor_by_tensor_bits(monkeypatch, group_elements):
+    """The variance factors and the idle thresholds, applied one call per shape, give a loop over tensors' bits."""
+    import hf_zeroone._tensors as T
+    from hf_zeroone.optim import _functional as F
+    from hf_zeroone.optim import _grad_scale as GS
+
+    monkeypatch.setattr(T, "GROUP_ELEMENTS", group_elements)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (7, 5), (3,), (7, 5), (3,), (2, 2, 2), (1,), (0,), (7, 5)]
+    vs = [torch.rand(s, generator=g) ** 4 for s in shapes]
+    for v in vs[:4]:
+        v.view(-1)[:2] = 0.0  # idle elements
+    factors = [torch.rand((), generator=g) * 3 for _ in shapes]
+    factors[2] = factors[6] = None
+    dens = F.denominators(vs, 0.37, 1e-8, factors)
+    for d, ref in zip(dens, _reference_denominators(vs, 0.37, 1e-8, factors)):
+        assert d.shape == ref.shape and torch.equal(d.view(torch.int32), ref.view(torch.int32))
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    means, counts, idle = GS.sample_statistics(dens)
+    assert any(idle.tolist()) and not all(idle.tolist())
+    for which in (None, idle.tolist(), [True] * len(shapes), [False] * len(shapes)):
+        got = GS.scale_samples(grads, dens, means, counts, which)
+        assert torch.equal(got, _reference_scale_samples(grads, dens, means, counts, which, GS.IDLE_BELOW))

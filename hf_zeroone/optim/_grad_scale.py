@@ -215,12 +215,14 @@ class GradientScale:
                 if not params:
                     continue
                 q = local_samples(group, params, [v for p, v in zip(params, values) if _G in state_of(p)])
-                states = [state_of(p) for p in params]
-                for st, p in zip(states, params):
-                    if _P not in st:  # made once per sync gap, not on every local step
-                        st[_P] = torch.zeros((), dtype=torch.float32, device=p.device)
-                pending = [st[_P] for st in states]
-                torch._foreach_add_(pending, list(q.to(torch.float32).unbind()))
+                states, samples_now = [state_of(p) for p in params], list(q.to(torch.float32).unbind())
+                held = [i for i, st in enumerate(states) if _P in st]
+                if held:
+                    torch._foreach_add_([states[i][_P] for i in held], [samples_now[i] for i in held])
+                fresh = [i for i, st in enumerate(states) if _P not in st]  # the first local step since a sync
+                if fresh:  # 0 + q, as new tensors of their own in one call (q * 1 is q, bit for bit)
+                    for i, t in zip(fresh, torch._foreach_mul([samples_now[i] for i in fresh], 1.0)):
+                        states[i][_P] = t
                 continue
             taken = [(p, v, *samples[p]) for p, v in zip(params, values) if p in samples and _G in state_of(p)]
             if not taken:
@@ -298,9 +300,14 @@ class GradientScale:
         measured = False
         for group, params, _ in groups:
             beta2 = group["betas"][1]
-            for p in params:
-                st = state_of(p)
-                st[_G] = torch.ones((), dtype=torch.float32, device=p.device)
+            states = [state_of(p) for p in params]
+            held = [st[_G] for st in states if _G in st]
+            if held:  # back to 1 in place: two multi-tensor calls, not a new tensor per parameter
+                torch._foreach_zero_(held)
+                torch._foreach_add_(held, 1.0)
+            for p, st in zip(params, states):
+                if _G not in st:
+                    st[_G] = torch.ones((), dtype=torch.float32, device=p.device)
                 if p in samples and p in averaged:
                     ratio = samples[p][0] / averaged[p].clamp(min=torch.finfo(torch.float32).tiny)
                     r = st.get(_R, torch.zeros((), dtype=torch.float32, device=p.device))

@@ -29,7 +29,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import add_scalar_, div_scalar_, mul_scalar, mul_scalar_, per_tensor_operand, shape_groups
+from hf_zeroone._tensors import (
+    add_scalar_,
+    div_scalar_,
+    mul_scalar,
+    mul_scalar_,
+    per_tensor_operand,
+    shape_groups,
+    stacks_by_shape,
+)
 
 __all__ = [
     "adam_update",
@@ -77,6 +85,14 @@ def denominators(
     if factors is None or all(f is None for f in factors):
         out = list(torch._foreach_sqrt(exp_avg_sqs))
         div_scalar_(out, math.sqrt(c2))
+    elif not stacks_by_shape(exp_avg_sqs[0].device):  # one multi-tensor call, tensor by tensor
+        out = list(torch._foreach_sqrt(exp_avg_sqs))
+        plain = [d for d, f in zip(out, factors) if f is None]
+        if plain:
+            div_scalar_(plain, math.sqrt(c2))
+        scaled = [(d, f) for d, f in zip(out, factors) if f is not None]
+        multipliers = torch.stack([f for _, f in scaled]).div_(c2).sqrt_()  # one computation for all tensors
+        torch._foreach_mul_([d for d, _ in scaled], list(multipliers.to(scaled[0][0].dtype).unbind()))
     else:
         out: list[Tensor] = [None] * len(exp_avg_sqs)  # type: ignore[list-item]
         plain = [i for i, f in enumerate(factors) if f is None]

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import per_tensor_operand, shape_groups
+from hf_zeroone._tensors import per_tensor_operand, shape_groups, stacks_by_shape
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._step_kind import StepKind
 
@@ -137,6 +137,12 @@ def scale_samples(
     parameter group's.
     """
     grads, dens = F.as_dtype(grads, torch.float32), list(dens)
+    if not dens or not stacks_by_shape(dens[0].device):  # the CPU: one masked fill per tensor
+        ratios = list(torch._foreach_div(grads, dens))
+        for i, (r, d, floor) in enumerate(zip(ratios, dens, (means * IDLE_BELOW).unbind())):
+            if idle is None or idle[i]:
+                r.masked_fill_(d < floor, 0.0)
+        return torch.stack(torch._foreach_norm(ratios)).square_().div_(counts)
     masked = [i for i in range(len(grads)) if idle is None or idle[i]]
     ratios: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
     unmasked = sorted(set(range(len(grads))) - set(masked))

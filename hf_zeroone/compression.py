@@ -115,14 +115,15 @@ def pack_signs(x: Tensor) -> Tensor:
 def _pack_signs_torch(x: Tensor) -> Tensor:
     """:func:`pack_signs` in torch operations only (any device, any floating dtype)."""
     # the sign bit is clear exactly where the bits, read as a signed integer, are not negative
-    positive = x.view(_SAME_SIZE_INT[x.element_size()]) >= 0
+    positive = (x.view(_SAME_SIZE_INT[x.element_size()]) >= 0).contiguous()  # a last dim of stride 1
     words = positive.view(torch.uint8).reshape(-1, _BITS_PER_BYTE).view(torch.int64).reshape(-1)
     packed = (words * _GATHER_BITS) >> 56  # the cast to uint8 keeps the low byte: the eight bits
     return packed.to(torch.uint8).reshape(*x.shape[:-1], x.shape[-1] // _BITS_PER_BYTE)
 
 
 _SIGN_TABLES: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-_BIT_MASKS: dict[torch.device, Tensor] = {}  # 128, 64, ..., 1: the bit of each of a byte's eight signs
+#: per (dtype, device): the bit masks 128, 64, ..., 1 of a byte's eight signs, +1 and -1
+_SELECT_OPERANDS: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
 
 
 def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -146,29 +147,33 @@ def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     if packed.dtype != torch.uint8:
         raise TypeError(f"unpack_signs expects a uint8 tensor, got {packed.dtype}")
     shape = (*packed.shape[:-1], packed.shape[-1] * _BITS_PER_BYTE)
+    if packed.device.type != "cpu":
+        return _unpack_signs_elementwise(packed, dtype).reshape(shape)
     table = _sign_table(dtype, packed.device)
-    if packed.device.type == "cpu" and dtype in _NUMPY_DTYPES:
+    if dtype in _NUMPY_DTYPES:
         signs = np.take(table.numpy(), packed.reshape(-1).numpy(), axis=0)
         return torch.from_numpy(signs).reshape(shape)
-    if packed.device.type == "cpu":
-        return table[packed.reshape(-1).long()].reshape(shape)
-    return _unpack_signs_elementwise(packed, table).reshape(shape)
+    return table[packed.reshape(-1).long()].reshape(shape)
 
 
-def _unpack_signs_elementwise(packed: Tensor, table: Tensor) -> Tensor:
-    """:func:`unpack_signs` in three element-wise passes, for accelerators: ``(n, 8)`` signs of ``table``'s dtype.
+def _unpack_signs_elementwise(packed: Tensor, dtype: torch.dtype) -> Tensor:
+    """:func:`unpack_signs` in three element-wise passes, for accelerators: ``(n, 8)`` signs of ``dtype``.
 
     A gather of table rows (the CPU's form) ran at 1% of an H200's memory bandwidth (5 ms for
-    2^26 signs); a bit test per output element and a select between +1 and -1 stream instead. The
-    values are the table's, so the results are the same.
+    2^26 signs); a bit test per output element and a select between +1 and -1 stream instead,
+    with the same values. The masks and the two signs are made on the device once (a copy from
+    the host would wait for the device).
     """
-    masks = _BIT_MASKS.get(packed.device)
-    if masks is None:  # made once per device: a copy from the host would wait for the device
-        masks = _BIT_MASKS[packed.device] = torch.tensor([1 << (7 - j) for j in range(8)], dtype=torch.uint8).to(
-            packed.device
+    key = (dtype, packed.device)
+    if key not in _SELECT_OPERANDS:
+        masks = torch.full((8,), 128, dtype=torch.uint8, device=packed.device) >> torch.arange(
+            8, dtype=torch.uint8, device=packed.device
         )
+        plus = torch.ones((), dtype=dtype, device=packed.device)
+        _SELECT_OPERANDS[key] = (masks, plus, -plus)
+    masks, plus, minus = _SELECT_OPERANDS[key]
     positive = torch.bitwise_and(packed.reshape(-1, 1), masks).ne(0)
-    return torch.where(positive, table[-1, 0], table[0, 0])
+    return torch.where(positive, plus, minus)
 
 
 def _segments(x: Tensor, bounds: Sequence[int]) -> list[Tensor]:

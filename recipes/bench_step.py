@@ -130,7 +130,8 @@ def profile(baselines: dict, params: list[torch.Tensor], device: str) -> None:
         time_steps(opt, params, before, 1)  # the state a timed step starts from
         sites, whole = profile_step(opt.step, cuda)
         kind = getattr(opt, "last_step_kind", None)
-        print(f"### {name}{f' ({kind.value})' if kind is not None else ''}\n\n{sites_table(sites, whole)}\n")
+        label = f"{name} ({kind.value})" if kind is not None and f"({kind.value})" not in name else name
+        print(f"### {label}\n\n{sites_table(sites, whole)}\n")
 
 
 def table(rounds: list[dict[str, list[float]]]) -> str:

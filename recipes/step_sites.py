@@ -4,10 +4,13 @@
 runs is wrapped, through a ``TorchFunctionMode``, in a profiler range named after the first
 line of ``hf_zeroone`` on the Python stack; the profiler then counts, per line:
 
-* **launches**: on CUDA the kernel launches (``cudaLaunchKernel`` and its kin, one per kernel);
-  on the CPU the operators that do the work (ATen operators with no operator beneath them,
-  views and allocations left out): what a multi-tensor operation would fold into one call;
-* **syncs**: waits of the host for the device (stream, event and device synchronisations);
+* **torch calls**: the calls the mode saw, attribute reads (``.shape``, ``.dtype``) included;
+* **launches**: on CUDA the kernel launches (``cudaLaunchKernel`` and its kin, one per kernel;
+  the table's last row gives the kernels the device ran, as a check); on the CPU the operators
+  that do the work (ATen operators with no working operator beneath them, views and
+  allocations left out): what a multi-tensor operation would fold into one call;
+* **syncs**: waits of the host for the device (stream, event and device synchronisations), the
+  benchmark's own wait for the step's kernels not counted;
 * **host ms**: the time the host spent in the line's torch calls, profiler overhead included.
 
 A line with hundreds of launches per step is a per-tensor loop, or a multi-tensor operation that
@@ -18,12 +21,15 @@ torch runs tensor by tensor (on CUDA: operands of different shapes, such as a li
 from __future__ import annotations
 
 import collections
+import os
 import sys
 from collections.abc import Callable
 from types import FrameType
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+import hf_zeroone
 
 _LAUNCHES = (
     "cudaLaunchKernel",
@@ -42,15 +48,31 @@ _NOT_WORK = {
 }  # fmt: skip
 _PREFIX = "@"
 _WHOLE = "hf_zeroone step (profiled)"
+_DEVICE_KERNELS = "(kernels the device ran: a check of the launches)"
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(hf_zeroone.__file__)) + os.sep
 
 
 def _site(frame: FrameType | None) -> str | None:
     while frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/")
-        if "/hf_zeroone/" in path:
-            return f"{path.rsplit('/hf_zeroone/', 1)[1]}:{frame.f_lineno}"
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path.startswith(_PACKAGE):
+            return f"{path[len(_PACKAGE) :].replace(os.sep, '/')}:{frame.f_lineno}"
         frame = frame.f_back
     return None
+
+
+def _works(name: str) -> bool:
+    return name.startswith("aten::") and name not in _NOT_WORK
+
+
+def _work_below(event, memo: dict[int, bool]) -> bool:  # noqa: ANN001
+    """Whether any working operator runs anywhere beneath ``event``."""
+    key = id(event)
+    if key not in memo:
+        memo[key] = any(_works(c.name) or _work_below(c, memo) for c in event.cpu_children)
+    return memo[key]
 
 
 class _Sites(TorchFunctionMode):
@@ -75,18 +97,23 @@ def profile_step(step: Callable[[], object], cuda: bool) -> tuple[dict[str, dict
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof, _Sites():
-        with torch.profiler.record_function(_WHOLE):
+    with torch.profiler.profile(activities=activities) as prof:
+        with _Sites(), torch.profiler.record_function(_WHOLE):
             step()
-            if cuda:
-                torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()  # the step's kernels inside the profile, this wait outside the step
     sites: dict[str, dict[str, float]] = collections.defaultdict(
         lambda: dict.fromkeys(("calls", "launches", "syncs", "ms"), 0)
     )
-    whole = 0.0
+    whole, memo, device_kernels = 0.0, {}, 0
+    step_range = next(e for e in prof.events() if e.name == _WHOLE and e.device_type == torch.autograd.DeviceType.CPU)
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CPU:
-            continue  # the kernels themselves, and the device's copy of each named range
+            if not event.name.startswith(_PREFIX) and event.name != _WHOLE:  # the device's copy of a range
+                device_kernels += 1
+            continue
+        if not (step_range.time_range.start <= event.time_range.start <= step_range.time_range.end):
+            continue  # the benchmark's own wait after the step
         name = event.name
         if name == _WHOLE:
             whole += event.cpu_time_total / 1e3
@@ -98,15 +125,18 @@ def profile_step(step: Callable[[], object], cuda: bool) -> tuple[dict[str, dict
             sites[_enclosing_site(event)]["syncs"] += 1
         elif cuda and name in _LAUNCHES:
             sites[_enclosing_site(event)]["launches"] += 1
-        elif not cuda and name.startswith("aten::") and name not in _NOT_WORK:
-            if not any(child.name.startswith("aten::") for child in event.cpu_children):
-                sites[_enclosing_site(event)]["launches"] += 1
+        elif not cuda and _works(name) and not _work_below(event, memo):
+            sites[_enclosing_site(event)]["launches"] += 1
+    if cuda:
+        sites[_DEVICE_KERNELS] = {"calls": 0, "launches": device_kernels, "syncs": 0, "ms": 0}
     return dict(sites), whole
 
 
 def sites_table(sites: dict[str, dict[str, float]], whole_ms: float, top: int = 12) -> str:
     """Markdown: the ``top`` lines by launches, the totals over all lines, and the whole step's host ms."""
     lines = ["| hf_zeroone line | torch calls | launches | syncs | host ms |", "|---|---:|---:|---:|---:|"]
+    check = sites.get(_DEVICE_KERNELS)
+    sites = {k: v for k, v in sites.items() if k != _DEVICE_KERNELS}
     ranked = sorted(sites.items(), key=lambda kv: (-kv[1]["launches"], -kv[1]["ms"]))
     for site, row in ranked[:top]:
         lines.append(f"| {site} | {row['calls']:.0f} | {row['launches']:.0f} | {row['syncs']:.0f} | {row['ms']:.2f} |")
@@ -115,5 +145,7 @@ def sites_table(sites: dict[str, dict[str, float]], whole_ms: float, top: int = 
         f"| all {len(sites)} lines | {total['calls']:.0f} | {total['launches']:.0f} | {total['syncs']:.0f} | "
         f"{total['ms']:.2f} |"
     )
+    if check is not None:
+        lines.append(f"| {_DEVICE_KERNELS} | | {check['launches']:.0f} | | |")
     lines.append(f"| whole step (Python included) | | | | {whole_ms:.2f} |")
     return "\n".join(lines)

@@ -48,14 +48,17 @@ def test_profile_counts_launches_per_hf_zeroone_line(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sections = proc.stdout.split("### ")[1:]
     bench = _load()
-    assert [s.splitlines()[0].rsplit(" (", 1)[0] for s in sections] == ["AdamW(foreach=True)", *bench.PHASES]
+    headers = [s.splitlines()[0] for s in sections]
+    names = ["AdamW(foreach=True)", *bench.PHASES]
+    assert len(headers) == len(names), headers
+    assert all(h == n or h.startswith(f"{n} (") for h, n in zip(headers, names)), headers
     for section in sections[1:]:  # each phase of ours: its launches come from named lines of hf_zeroone
         rows = [
             [c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| ")
         ]
         lines = {r[0]: r for r in rows[1:]}
         named = [r for name, r in lines.items() if name.endswith(tuple("0123456789")) and ".py:" in name]
-        assert named and all(int(r[2]) >= 0 for r in named), section
+        assert named, section
         total = next(r for name, r in lines.items() if name.startswith("all "))
         assert int(total[2]) >= sum(int(r[2]) for r in named) > 0, section
         assert float(lines["whole step (Python included)"][4]) > 0, section

@@ -6,7 +6,6 @@ from hypothesis import strategies as st
 from hf_zeroone.compression import (
     ChunkLayout,
     _pack_signs_torch,
-    _sign_table,
     _unpack_signs_elementwise,
     compression_error,
     decompress,
@@ -59,7 +58,7 @@ def test_pack_unpack_round_trip_and_both_pack_paths_agree(nbytes, seed):
     assert torch.equal(unpack_signs(packed, torch.bfloat16).float(), _expected_signs(x))
     # and so does the accelerators' element-wise form, run here on the CPU
     for dtype in (torch.float32, torch.bfloat16):
-        elementwise = _unpack_signs_elementwise(packed, _sign_table(dtype, packed.device)).reshape(-1)
+        elementwise = _unpack_signs_elementwise(packed, dtype).reshape(-1)
         assert elementwise.dtype == dtype and torch.equal(elementwise.float(), _expected_signs(x))
 
 
@@ -72,12 +71,21 @@ def test_pack_bit_order_first_element_is_most_significant():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_both_pack_paths_read_the_sign_bit_of_nans_infinities_and_subnormals(dtype):
     tiny = torch.finfo(dtype).tiny
-    x = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), tiny / 2, -tiny / 2, 0.0, -0.0])
-    x = x.to(dtype)
+    values = [float("nan"), -float("nan"), float("inf"), -float("inf"), tiny / 2, -tiny / 2, 0.0, -0.0]
+    x = torch.tensor(values, dtype=torch.float64).to(dtype)  # float64 first: its subnormals survive
     expected = sum(1 << (7 - j) for j, negative in enumerate(torch.signbit(x).tolist()) if not negative)
     assert expected & 0b00101010 == 0b00101010  # +inf, +tiny/2 and +0.0 (a cast may set a NaN's sign)
     assert _pack_signs_torch(x).tolist() == pack_signs(x).tolist() == [expected]
     assert _pack_signs_torch(x.view(1, 8).expand(3, 8)).tolist() == [[expected]] * 3
+    transposed = torch.stack([x] * 3, dim=1).t()  # rows of 8 whose last dimension has stride 3
+    assert _pack_signs_torch(transposed).tolist() == [[expected]] * 3
+
+
+def test_float8_signs_pack_and_unpack():
+    x = torch.tensor([1.5, -2.0, 0.0, -0.0, 448.0, -0.001953125, 3.0, -1.0])  # each exact in float8_e4m3fn
+    packed = pack_signs(x.to(torch.float8_e4m3fn))
+    assert packed.tolist() == pack_signs(x).tolist() == [0b10101010]
+    assert torch.equal(unpack_signs(packed), _expected_signs(x))
 
 
 def test_pack_reads_the_sign_bit_of_zeros():

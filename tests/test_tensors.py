@@ -74,13 +74,27 @@ def test_shape_groups_keep_first_seen_order_split_by_dtype_and_bound_their_size(
 
 
 def _reference_denominators(vs, c2, eps, factors):
-    """Tensor by tensor: sqrt(v) / sqrt(c2) + eps, or sqrt(v) * sqrt(f / c2) + eps with a factor."""
+    """Tensor by tensor: sqrt(v) / sqrt(c2) + eps, or sqrt(v) * sqrt(f / c2) + eps with a factor (in v's dtype)."""
     out = []
     for v, f in zip(vs, factors):
         d = v.sqrt()
-        d = d / torch.tensor(math.sqrt(c2)) if f is None else d * (f / c2).sqrt()
-        out.append(d + torch.tensor(eps))
+        d = d / torch.tensor(math.sqrt(c2), dtype=v.dtype) if f is None else d * (f / c2).sqrt().to(v.dtype)
+        out.append(d + torch.tensor(eps, dtype=v.dtype))
     return out
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_group_mixing_dtypes_gets_each_tensors_factor_in_its_own_dtype(monkeypatch, stacked):
+    """A bf16 tensor first must not round an fp32 tensor's variance factor to bf16 (nor the reverse)."""
+    import hf_zeroone._tensors as T
+    from hf_zeroone.optim import _functional as F
+
+    monkeypatch.setattr(T, "STACK_ON_CPU", stacked)
+    g = torch.Generator().manual_seed(3)
+    vs = [torch.rand(4, 3, generator=g).to(torch.bfloat16), torch.rand(4, 3, generator=g), torch.rand(5, generator=g)]
+    factors = [torch.tensor(1.2345678), torch.tensor(0.7654321), torch.tensor(2.3456789)]
+    for d, ref in zip(F.denominators(vs, 0.37, 1e-8, factors), _reference_denominators(vs, 0.37, 1e-8, factors)):
+        assert d.dtype == ref.dtype and torch.equal(d, ref)
 
 
 def _reference_scale_samples(grads, dens, means, counts, idle, idle_below):

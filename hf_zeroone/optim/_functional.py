@@ -92,7 +92,8 @@ def denominators(
             div_scalar_(plain, math.sqrt(c2))
         scaled = [(d, f) for d, f in zip(out, factors) if f is not None]
         multipliers = torch.stack([f for _, f in scaled]).div_(c2).sqrt_()  # one computation for all tensors
-        torch._foreach_mul_([d for d, _ in scaled], list(multipliers.to(scaled[0][0].dtype).unbind()))
+        # each tensor's multiplier rounded to its own dtype, as the stacked form does (a group may mix them)
+        torch._foreach_mul_([d for d, _ in scaled], as_dtypes(multipliers.unbind(), [d for d, _ in scaled]))
     else:
         out: list[Tensor] = [None] * len(exp_avg_sqs)  # type: ignore[list-item]
         plain = [i for i, f in enumerate(factors) if f is None]

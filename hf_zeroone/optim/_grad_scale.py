@@ -154,7 +154,8 @@ def scale_samples(
     for group in shape_groups(dens, masked):  # one call per shape, not per tensor (see shape_groups)
         stacked_dens = torch.stack([dens[i] for i in group])
         stacked = torch.stack([grads[i] for i in group]).div_(stacked_dens)
-        stacked.masked_fill_(stacked_dens < per_tensor_operand(floors, group, stacked_dens.dim() - 1), 0.0)
+        thresholds = per_tensor_operand(floors, group, stacked_dens.dim() - 1).to(stacked_dens.dtype)
+        stacked.masked_fill_(stacked_dens < thresholds, 0.0)  # compared in d's dtype, as against a 0-dim floor
         for i, r in zip(group, stacked.unbind()):
             ratios[i] = r
     return torch.stack(torch._foreach_norm(ratios)).square_().div_(counts)

@@ -144,8 +144,8 @@ def scale_samples(
                 r.masked_fill_(d < floor, 0.0)
         return torch.stack(torch._foreach_norm(ratios)).square_().div_(counts)
     masked = [i for i in range(len(grads)) if idle is None or idle[i]]
+    unmasked = [i for i in range(len(grads)) if not (idle is None or idle[i])]
     ratios: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
-    unmasked = sorted(set(range(len(grads))) - set(masked))
     if unmasked:
         quotients = torch._foreach_div([grads[i] for i in unmasked], [dens[i] for i in unmasked])
         for i, r in zip(unmasked, quotients):

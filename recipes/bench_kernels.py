@@ -2,6 +2,7 @@
 
     python recipes/bench_kernels.py                      # the best device here (CUDA if visible)
     python recipes/bench_kernels.py --device cuda --bert # plus the 1-bit overhead vs a BERT-base step
+    python recipes/bench_kernels.py --device cuda --scales slices  # segment scales one slice at a time
 
 Prints a table: for each kernel the best time of ``--repeat`` runs, the effective bandwidth (the bytes the operation
 must at least read and write, divided by the time) and that bandwidth as a share of the device's
@@ -26,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+import hf_zeroone.compression as compression
 from hf_zeroone.comm import Communicator
 from hf_zeroone.compression import ChunkLayout, compression_error, decompress, pack_signs, segment_scales, unpack_signs
 
@@ -140,12 +142,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--bert_batch", type=int, default=32)
     parser.add_argument("--bert_seq", type=int, default=128)
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--scales",
+        choices=("default", "slices", "expanded"),
+        default="default",
+        help="how the segment scales are applied: the package's choice (on accelerators, expanded per element "
+        "when the segments are short), one operation per segment, or expanded per element (any device)",
+    )
     args = parser.parse_args(argv)
+    compression.EXPAND_BELOW = {"default": compression.EXPAND_BELOW, "slices": 0, "expanded": 1 << 62}[args.scales]
+    compression.EXPAND_ON_CPU = args.scales == "expanded"
     device = torch.device(args.device)
     numel = args.numel or (1 << 26 if device.type == "cuda" else 1 << 22)
     res = bench(device, numel, args.world, args.repeat, args.segments)
     print(f"device: {res['device']}; memory bandwidth (plain copy): {res['copy_GB/s']:.1f} GB/s")
-    print(f"n = {res['numel']} float32 elements, {args.segments} segments; plain torch kernels\n")
+    print(
+        f"n = {res['numel']} float32 elements, {args.segments} segments, scales: {args.scales}; plain torch kernels\n"
+    )
     print("| kernel | ms | GB/s | of memory bandwidth |")
     print("|---|---:|---:|---:|")
     for row in res["rows"]:

@@ -144,6 +144,37 @@ def test_error_is_input_minus_decompressed_signs_exactly(cuts, seed):
     assert torch.equal(error, x - approx)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    cuts=st.lists(st.integers(0, 80), max_size=8),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_scales_expanded_per_element_give_the_bits_of_the_slice_by_slice_form(cuts, seed):
+    """The accelerators' form (one gather of the scales, whatever the segments) against the CPU's slices.
+
+    Empty segments anywhere (first, last, repeated cuts) own no element; a NaN scale (a bad
+    step) and signed zeros come out the same.
+    """
+    import hf_zeroone.compression as compression
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(80, generator=g) * 3
+    x[::5] = -0.0
+    bounds = (0, *sorted(cuts), 80)
+    scales = torch.rand(len(bounds) - 1, generator=g)
+    scales[len(scales) // 2] = float("nan")
+    packed = pack_signs(x)
+    results = []
+    for expand in (False, True):
+        compression.EXPAND_ON_CPU = expand
+        try:
+            error = compression_error(x, scales, bounds, out=torch.empty_like(x))
+            results.append((error.view(torch.int32), decompress(packed, scales, bounds).view(torch.int32)))
+        finally:
+            compression.EXPAND_ON_CPU = False
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("n", SIZES)
 def test_layout_masks_padding_and_counts_real_elements(n, world_size):
@@ -192,3 +223,16 @@ def test_layout_with_element_mask():
     assert everything.mask.tolist() == [1.0] * 10 + [0.0] * 6
     with pytest.raises(ValueError, match="element_mask has 3 elements"):
         ChunkLayout.from_mask(10, 2, torch.ones(3, dtype=torch.bool))
+
+
+def test_accelerators_expand_the_scales_only_for_short_segments():
+    """Per segment, a launch costs more than expanding a short segment and less than a long one."""
+    from hf_zeroone.compression import EXPAND_BELOW, _expands
+
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    short = tuple(range(0, 64 * 1000 + 1, 1000))  # 64 segments of 1,000 elements (biases, norms)
+    long = (0, EXPAND_BELOW, 2 * EXPAND_BELOW)  # two segments of EXPAND_BELOW elements
+    assert _expands(meta, short) and not _expands(cpu, short)
+    assert not _expands(meta, long)
+    # empty segments own no element and need no launch: they do not count
+    assert not _expands(meta, (0, 0, 0, 0, EXPAND_BELOW))

@@ -138,11 +138,19 @@ def compressed_allreduce(
     worker_scales = recv[:, nb : nb + sb].contiguous().view(torch.float32).view(p, s_per)
     ok = torch.isfinite(worker_scales).all()  # 0-dim, on the device; the same on every rank
 
+    # e_w <- y - C[y], only if every worker was finite (a NaN never enters an error); after it
+    # y's memory is free, and the rest of the call works in it instead of new allocations (on
+    # the CPU a fresh buffer's page faults cost more than the arithmetic written into it)
+    def worker_side(out: Tensor) -> None:
+        _zero_masked(compression_error(y, scales, layout.bounds, out=out), layout)
+
+    _update_error(ok, worker_error, worker_side, _scratch(y))
+
     # Stage 1, server side: average the P compressed copies of my chunk, compress again.
     bounds = layout.chunk_bounds(k)
     # the P copies side by side, each scaled by 1/P, then summed: z = mean_i C[y_ik] + e_s
-    copies = decompress(recv[:, :nb], worker_scales.reshape(-1) / p, _tile(bounds, p)).view(p, c)
-    z = torch.add(copies[0], server_error)
+    copies = decompress(recv[:, :nb], worker_scales.reshape(-1) / p, _tile(bounds, p), out=y).view(p, c)
+    z = copies[0].add_(server_error)
     for i in range(1, p):  # row by row: much faster than a sum over dim 0 on CPU
         z.add_(copies[i])
     _zero_masked(z, layout, start=k * c)
@@ -154,23 +162,19 @@ def compressed_allreduce(
     if q:
         out_row[nb + sb :] = _lane_mean(recv[:, nb + sb :], p, q)
 
-    # e_s <- z - C[z] and e_w <- y - C[y], only if every worker was finite (a NaN never enters an error)
+    # e_s <- z - C[z], under the same condition
     def server_side(out: Tensor) -> None:
         _zero_masked(compression_error(z, s, bounds, out=out), layout, start=k * c)
 
-    def worker_side(out: Tensor) -> None:
-        _zero_masked(compression_error(y, scales, layout.bounds, out=out), layout)
+    _update_error(ok, server_error, server_side, _scratch(z))
 
-    _update_error(ok, server_error, server_side, torch.empty_like(z))
-    _update_error(ok, worker_error, worker_side, copies.view(-1))  # the copies' memory is free now
-
-    # Stage 2: every rank gets every server's chunk and decompresses the same bytes.
+    # Stage 2: every rank gets every server's chunk and decompresses the same bytes (into y's memory).
     gathered = torch.empty(p, row, dtype=torch.uint8, device=device)
     coll.all_gather(list(gathered.unbind(0)), out_row)
     server_scales = gathered[:, nb : nb + sb].contiguous().view(torch.float32).view(-1)
     if q:
         _lane_back(exact, gathered[:, nb + sb :])
-    result = decompress(gathered[:, :nb], server_scales, layout.bounds)
+    result = decompress(gathered[:, :nb], server_scales, layout.bounds, out=y)
     _zero_masked(result, layout, unless=~ok)  # a bad step's result stays NaN everywhere
     return result
 
@@ -285,7 +289,12 @@ def _lane_back(exact: Tensor, gathered: Tensor) -> None:
 _HOST_BRANCH_ON_CPU = True
 
 
-def _update_error(ok: Tensor, error: Tensor, compute: Callable[[Tensor], None], scratch: Tensor) -> None:
+def _scratch(like: Tensor) -> Tensor | None:
+    """A buffer for :func:`_update_error` on an accelerator; ``None`` where the host branch needs none."""
+    return None if _HOST_BRANCH_ON_CPU and like.device.type == "cpu" else torch.empty_like(like)
+
+
+def _update_error(ok: Tensor, error: Tensor, compute: Callable[[Tensor], None], scratch: Tensor | None) -> None:
     """``compute(out)`` writes the new error into ``out``; keep it in ``error`` only where ``ok`` (0-dim bool).
 
     On an accelerator: computed into ``scratch`` (same size, not overlapping the inputs), then
@@ -296,6 +305,7 @@ def _update_error(ok: Tensor, error: Tensor, compute: Callable[[Tensor], None], 
         if bool(ok):
             compute(error)
         return
+    assert scratch is not None, "the accelerator path needs a scratch buffer (see _scratch)"
     compute(scratch)
     torch.where(ok, scratch, error, out=error)
 

@@ -354,8 +354,9 @@ class Communicator:
                 in place, exactly, in the same two collectives.
 
         Returns:
-            A future of a new float32 tensor of ``layout.padded`` elements, identical on every
-            rank, zero on masked elements, all NaN if any rank's input was not finite.
+            A future of a float32 tensor of ``layout.padded`` elements (written into ``buffer``'s
+            memory, or new with one rank), identical on every rank, zero on masked elements, all
+            NaN if any rank's input was not finite.
         """
         self._check_compressed_args(buffer, worker_error, server_error, layout)
         if exact is not None and (exact.dtype != torch.float32 or not exact.is_contiguous()):

@@ -236,3 +236,35 @@ def test_accelerators_expand_the_scales_only_for_short_segments():
     assert not _expands(meta, long)
     # empty segments own no element and need no launch: they do not count
     assert not _expands(meta, (0, 0, 0, 0, EXPAND_BELOW))
+
+
+@pytest.mark.parametrize("form", ["numpy", "table", "elementwise"])
+def test_unpacking_and_decompressing_into_a_given_buffer_writes_the_same_bits_there(form):
+    """``out=`` (the compressed allreduce's reuse of its message's memory) changes no bit, on every path.
+
+    numpy: the CPU's float32 path; table: a dtype NumPy lacks (bf16); elementwise: the accelerators'.
+    """
+    dtype = torch.bfloat16 if form == "table" else torch.float32
+    g = torch.Generator().manual_seed(3)
+    packed = pack_signs(torch.randn(2, 40, generator=g))
+    out = torch.full((80,), 7.0, dtype=dtype)
+    if form == "elementwise":
+        fresh = _unpack_signs_elementwise(packed, dtype)
+        assert _unpack_signs_elementwise(packed, dtype, out=out.view(-1, 8)).data_ptr() == out.data_ptr()
+    else:
+        fresh = unpack_signs(packed, dtype)
+        assert unpack_signs(packed, dtype, out=out) is out
+    assert torch.equal(out, fresh.reshape(-1))
+    bounds, scales = (0, 13, 13, 80), torch.tensor([0.5, 2.0, 0.25])
+    into = torch.empty(80)
+    assert decompress(packed, scales, bounds, out=into).data_ptr() == into.data_ptr()
+    assert torch.equal(into.view(torch.int32), decompress(packed, scales, bounds).view(torch.int32))
+
+
+def test_unpacking_into_a_wrong_buffer_is_refused_before_anything_is_written():
+    packed = pack_signs(torch.randn(16))
+    for bad in (torch.zeros(8), torch.zeros(16, dtype=torch.float64), torch.zeros(32)[::2]):
+        before = bad.clone()
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            unpack_signs(packed, out=bad)
+        assert torch.equal(bad, before)

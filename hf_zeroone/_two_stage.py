@@ -49,7 +49,7 @@ from hf_zeroone.compression import (
     compression_error,
     decode_float8,
     decompress,
-    encode_float8,
+    encode_float8_into,
     pack_signs,
     segment_scales,
 )
@@ -250,11 +250,14 @@ def _pieces(sizes: Sequence[int]) -> tuple[list[tuple[int, int]], list[int]]:
 
 
 def _float8_rows(x: Tensor, rows: int, width: int) -> Tensor:
-    """``rows`` rows of ``width`` bytes: each row's chunk of ``x`` encoded, codes then exponents (the rest empty)."""
-    codes, exponents = encode_float8(x)
+    """``rows`` rows of ``width`` bytes: each row's chunk of ``x`` encoded, codes then exponents (the rest empty).
+
+    ``x`` is overwritten (see :func:`~hf_zeroone.compression.encode_float8_into`); the codes go
+    straight into the rows.
+    """
     c = x.numel() // rows
     out = torch.empty(rows, width, dtype=torch.uint8, device=x.device)
-    out[:, :c] = codes.view(rows, c)
+    exponents = encode_float8_into(x, out[:, :c])
     out[:, c : c + c // FLOAT8_BLOCK] = exponents.view(rows, -1)
     return out
 

@@ -44,6 +44,52 @@ def test_a_non_finite_element_makes_its_block_nan_and_leaves_the_others():
     assert torch.isfinite(y[:FLOAT8_BLOCK]).all() and torch.isfinite(y[2 * FLOAT8_BLOCK :]).all()
 
 
+def _reference_encode(x):
+    """The codec as first written (a new |x|, torch.ldexp, the cast): the rewrite must keep its bits."""
+    blocks = x.view(-1, FLOAT8_BLOCK)
+    amax = blocks.abs().amax(dim=1)
+    mantissa, exponent = torch.frexp(amax / 448.0)
+    exponent = exponent.sub_((mantissa == 0.5).to(exponent.dtype)).clamp_(-127, 127)
+    exponent = exponent.masked_fill_(~torch.isfinite(amax), -128).to(torch.int8)
+    scaled = torch.ldexp(blocks, -exponent.to(torch.float32).unsqueeze(1))
+    return scaled.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).view(-1), exponent.view(torch.uint8)
+
+
+def _reference_decode(codes, exponents):
+    exponent = exponents.view(torch.int8)
+    values = codes.view(torch.float8_e4m3fn).to(torch.float32).view(-1, FLOAT8_BLOCK)
+    values = torch.ldexp(values, exponent.to(torch.float32).unsqueeze(1))
+    return values.masked_fill_((exponent == -128).unsqueeze(1), float("nan")).view(-1)
+
+
+def test_the_codec_keeps_the_bits_of_its_first_form_on_zeros_subnormals_and_non_finite_blocks():
+    """No new |x| nor ldexp output per element, a table lookup for the CPU's float8 to float32, a NaN
+    factor per bad block: the same bits as the straightforward form, whatever the values."""
+    from hf_zeroone.compression import encode_float8_into
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40 * FLOAT8_BLOCK, generator=g) * torch.exp(torch.randn(40 * FLOAT8_BLOCK, generator=g) * 10)
+    x[::9] = -0.0
+    x[4::17] = 1e-42  # float32 subnormals
+    x[: 2 * FLOAT8_BLOCK] = torch.tensor([0.0, -0.0]).repeat_interleave(FLOAT8_BLOCK)  # all-zero blocks, both signs
+    x[3 * FLOAT8_BLOCK + 1], x[5 * FLOAT8_BLOCK + 2], x[7 * FLOAT8_BLOCK] = float("nan"), float("inf"), -float("inf")
+    codes, exponents = encode_float8(x)
+    ref_codes, ref_exponents = _reference_encode(x.clone())
+    assert torch.equal(codes, ref_codes) and torch.equal(exponents, ref_exponents)
+    assert torch.equal(
+        decode_float8(codes, exponents).view(torch.int32), _reference_decode(codes, exponents).view(torch.int32)
+    )
+    # every one of the 256 codes, in a normal block
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(2)
+    ones = torch.zeros(4, dtype=torch.uint8)
+    assert torch.equal(decode_float8(every, ones).view(torch.int32), _reference_decode(every, ones).view(torch.int32))
+    # into a strided row of a message (x is scratch): the same codes and exponents
+    rows = torch.zeros(2, 40 * FLOAT8_BLOCK // 2 + 7, dtype=torch.uint8)
+    scratch = x.clone()
+    assert torch.equal(encode_float8_into(scratch, rows[:, : 20 * FLOAT8_BLOCK]), ref_exponents)
+    assert torch.equal(rows[:, : 20 * FLOAT8_BLOCK].reshape(-1), ref_codes)
+
+
 @pytest.mark.parametrize("bad", [torch.randn(100), torch.randn(128).double(), torch.randn(2, 128)])
 def test_the_codec_refuses_what_it_cannot_encode(bad):
     with pytest.raises(ValueError, match="flat float32 tensor of whole 128-element blocks"):

@@ -216,15 +216,13 @@ def float8_allreduce(
     flat = buffer.reshape(-1)
     for (start, n), at in zip(pieces, blocked):
         padded[at : at + n] = flat[start : start + n]
-    send = _float8_rows(padded, p, row)
-    del padded
+    send = _float8_rows(padded, p, row)  # padded is scratch from here on: the copies, then the result
     if q:
         send[:, nb + sb :] = _lane_rows(exact, p, q)
     recv = torch.empty_like(send)
     coll.all_to_all(recv, send)
-    copies = decode_float8(recv[:, :nb].reshape(-1), recv[:, nb : nb + sb].reshape(-1))
-    mean = _sum_in_rank_order(copies.view(p, c).div_(p))
-    del copies
+    copies = decode_float8(recv[:, :nb].reshape(-1), recv[:, nb : nb + sb].reshape(-1), out=padded)
+    mean = _sum_in_rank_order(copies.view(p, c).div_(p), into_first=True)
     out_row = _float8_rows(mean, 1, row)[0]
     if q:
         out_row[nb + sb :] = _lane_mean(recv[:, nb + sb :], p, q)
@@ -232,7 +230,7 @@ def float8_allreduce(
     coll.all_gather(list(gathered.unbind(0)), out_row)
     if q:
         _lane_back(exact, gathered[:, nb + sb :])
-    result = decode_float8(gathered[:, :nb].reshape(-1), gathered[:, nb : nb + sb].reshape(-1))
+    result = decode_float8(gathered[:, :nb].reshape(-1), gathered[:, nb : nb + sb].reshape(-1), out=padded)
     for (start, n), at in zip(pieces, blocked):
         flat[start : start + n] = result[at : at + n]
     return buffer
@@ -274,9 +272,12 @@ def _lane_mean(received: Tensor, p: int, q: int) -> Tensor:
     return _sum_in_rank_order(received.contiguous().view(torch.float32).view(p, q).div_(p)).view(torch.uint8)
 
 
-def _sum_in_rank_order(rows: Tensor) -> Tensor:
-    """The sum of ``rows`` (one per rank), added row by row in rank order: faster than ``sum(0)`` on CPU."""
-    total = rows[0].clone()
+def _sum_in_rank_order(rows: Tensor, into_first: bool = False) -> Tensor:
+    """The sum of ``rows`` (one per rank), added row by row in rank order: faster than ``sum(0)`` on CPU.
+
+    ``into_first``: summed into ``rows[0]`` (no new row; the first row is overwritten).
+    """
+    total = rows[0] if into_first else rows[0].clone()
     for i in range(1, rows.shape[0]):
         total.add_(rows[i])
     return total

@@ -182,3 +182,17 @@ def test_a_nan_on_one_rank_reaches_every_rank(averages):
     for r in res:
         assert torch.isnan(r["bad"][:FLOAT8_BLOCK]).all()
         assert torch.isfinite(r["bad"][2 * FLOAT8_BLOCK :]).all()
+
+
+def test_decoding_into_a_given_buffer_writes_the_same_bits_and_refuses_a_wrong_one():
+    x = torch.randn(3 * FLOAT8_BLOCK)
+    x[FLOAT8_BLOCK] = float("nan")
+    codes, exponents = encode_float8(x)
+    out = torch.full((3 * FLOAT8_BLOCK,), 5.0)
+    assert decode_float8(codes, exponents, out=out) is out
+    assert torch.equal(out.view(torch.int32), decode_float8(codes, exponents).view(torch.int32))
+    for bad in (torch.zeros(FLOAT8_BLOCK), torch.zeros(3 * FLOAT8_BLOCK, dtype=torch.float64)):
+        before = bad.clone()
+        with pytest.raises(ValueError, match="out must be a contiguous float32 tensor"):
+            decode_float8(codes, exponents, out=bad)
+        assert torch.equal(bad, before)

@@ -12,7 +12,10 @@ memory bandwidth, measured here by a plain copy (``dst.copy_(src)``, read + writ
 compressed allreduce (both compression stages, error feedback, decompression), with the
 collectives replaced by local copies (``Communicator._loopback``): the compression overhead
 alone. Its bytes are those a fused implementation must move: the input read (4 n), the worker
-error read and written (8 n), the result written (4 n). The goals on an H100 (issue 13): at least
+error read and written (8 n), the result written (4 n). "float8 allreduce arithmetic" is the
+same for an exact step's float8 messages (``exact_step_dtype="float8_e4m3fn"``, the default; the
+segments taken as the bucket's tensors): 8 n bytes, the input read and the result written.
+The goals on an H100 (issue 13): at least
 30% of the memory bandwidth for it, and a 1-bit step's compression overhead under 5% of a
 BERT-base forward + backward (``--bert``). Every kernel here is plain torch (no Triton or
 torch.compile kernel yet).
@@ -87,6 +90,12 @@ def bench(device: torch.device, numel: int, world: int, repeat: int, segments: i
 
         return run
 
+    sizes = [b - a for a, b in zip((0, *starts), (*starts, n))]  # the segments as a bucket's tensors
+
+    def float8_arithmetic() -> object:
+        buf.copy_(x)
+        return inline.float8_allreduce_async(buf, sizes).wait()
+
     if not rows:
         seconds = measure(arithmetic(inline))
         threaded.close()
@@ -102,6 +111,7 @@ def bench(device: torch.device, numel: int, world: int, repeat: int, segments: i
         ("decompress", lambda: decompress(packed, scales, layout.bounds), n // 8 + f),
         (f"compressed allreduce arithmetic (P={world})", arithmetic(inline), 4 * f),
         (f"  same, through the worker thread (P={world})", arithmetic(threaded), 4 * f),
+        (f"float8 allreduce arithmetic (P={world}, exact steps)", float8_arithmetic, 2 * f),
     ]
     table = []
     copy_gbs = 2 * f / copy_s / 1e9
@@ -110,7 +120,7 @@ def bench(device: torch.device, numel: int, world: int, repeat: int, segments: i
         gbs = nbytes / seconds / 1e9
         table.append({"kernel": name, "ms": seconds * 1e3, "GB/s": gbs, "of_copy": gbs / copy_gbs})
     threaded.close()
-    arith_s = table[-2]["ms"] / 1e3
+    arith_s = table[-3]["ms"] / 1e3
     return {"device": device_name(device), "numel": n, "world": world, "copy_GB/s": copy_gbs, "rows": table,
             "arithmetic_s": arith_s}  # fmt: skip
 
@@ -164,8 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
     for row in res["rows"]:
         print(f"| {row['kernel']} | {row['ms']:.3f} | {row['GB/s']:.1f} | {100 * row['of_copy']:.1f}% |")
     print(
-        "\nGB/s: the least bytes each operation must read + write, over its time (the arithmetic: 16 n bytes; "
-        "its time includes copying the input into the scratch buffer)."
+        "\nGB/s: the least bytes each operation must read + write, over its time (the 1-bit arithmetic: 16 n "
+        "bytes, the float8 one 8 n; their times include copying the input into the scratch buffer)."
     )
     if args.bert:
         step_s, params, tensors = bert_step_seconds(device, args.bert_batch, args.bert_seq, max(3, args.repeat // 2))

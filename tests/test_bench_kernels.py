@@ -27,8 +27,9 @@ def test_bench_kernels_prints_the_table_on_cpu(tmp_path, scales):
     assert "device: CPU" in text and "memory bandwidth (plain copy):" in text
     assert "| kernel | ms | GB/s | of memory bandwidth |" in text
     for kernel in ("copy (reference)", "pack_signs", "unpack_signs", "segment_scales", "compression_error",
-                   "decompress", "compressed allreduce arithmetic (P=4)", "through the worker thread"):  # fmt: skip
+                   "decompress", "compressed allreduce arithmetic (P=4)", "through the worker thread",
+                   "float8 allreduce arithmetic (P=4, exact steps)"):  # fmt: skip
         assert f"| {kernel}" in text or kernel in text, kernel
     res = json.loads(out.read_text())
-    assert res["numel"] == 8192 and len(res["rows"]) == 8
+    assert res["numel"] == 8192 and len(res["rows"]) == 9
     assert all(row["GB/s"] > 0 for row in res["rows"]) and res["rows"][0]["of_copy"] == 1.0

@@ -165,12 +165,29 @@ def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32, out: Tensor
         return out
     table = _sign_table(dtype, packed.device)
     if dtype in _NUMPY_DTYPES:
-        rows = None if out is None else out.numpy().reshape(-1, _BITS_PER_BYTE)
-        signs = np.take(table.numpy(), packed.reshape(-1).numpy(), axis=0, out=rows)
+        signs_table, flat = table.numpy(), packed.reshape(-1).numpy()
+        rows = np.empty((flat.size, _BITS_PER_BYTE), signs_table.dtype) if out is None else out.numpy()
+        signs = _take(signs_table, flat, rows.reshape(-1, _BITS_PER_BYTE))
         return torch.from_numpy(signs).reshape(shape) if out is None else out
     if out is None:
         return table[packed.reshape(-1).long()].reshape(shape)
     torch.index_select(table, 0, packed.reshape(-1).long(), out=out.view(-1, _BITS_PER_BYTE))
+    return out
+
+
+_TAKE_BLOCK = 1 << 16  # indices per np.take call (see _take)
+
+
+def _take(table: np.ndarray, index: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[i] = table[index[i]]`` for uint8 ``index`` (rows of ``table`` along its first axis); returns ``out``.
+
+    In blocks: NumPy converts the indices to a new int64 array first, eight bytes per index, which
+    for a whole vector of float8 codes is twice the vector's float32 size. ``mode="clip"``
+    (every byte indexes the 256 rows) keeps NumPy from buffering ``out`` as well.
+    """
+    for start in range(0, index.size, _TAKE_BLOCK):
+        stop = min(start + _TAKE_BLOCK, index.size)
+        np.take(table, index[start:stop], axis=0, out=out[start:stop], mode="clip")
     return out
 
 
@@ -355,8 +372,8 @@ def _float8_to_float32(codes: Tensor, out: Tensor | None = None) -> Tensor:
     if not _FLOAT8_VALUES:
         every_code = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         _FLOAT8_VALUES.append(every_code.view(torch.float8_e4m3fn).to(torch.float32).numpy())
-    into = None if out is None else out.numpy()
-    values = np.take(_FLOAT8_VALUES[0], codes.contiguous().numpy(), out=into)
+    flat = codes.contiguous().numpy()
+    values = _take(_FLOAT8_VALUES[0], flat, np.empty(flat.size, np.float32) if out is None else out.numpy())
     return torch.from_numpy(values) if out is None else out
 
 

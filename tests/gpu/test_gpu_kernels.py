@@ -95,3 +95,42 @@ def test_the_whole_compressed_allreduce_arithmetic_agrees_with_the_cpu(world):
     # scale, where a wrong sign or scale would show as a difference of order one.
     scale = out_cpu.abs().max()
     assert torch.allclose(se_cuda, se_cpu, rtol=0, atol=5e-4 * scale), (se_cuda - se_cpu).abs().max()
+
+
+def test_decompressing_into_a_given_buffer_is_bit_identical():
+    n = 4096
+    bounds = (0, 5, 5, 1000, 3000, n)
+    x = _inputs(n, torch.float32, seed=2)
+    scales = torch.tensor([0.3, 0.0, 1e-30, 7.25, 3.0e38])
+    packed = pack_signs(x)
+    out = torch.full((n,), 9.0, device=CUDA)
+    assert decompress(packed.to(CUDA), scales.to(CUDA), bounds, out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out.cpu().view(torch.int32), decompress(packed, scales, bounds).view(torch.int32))
+
+
+def test_the_float8_codec_and_allreduce_are_bit_identical_to_the_cpu():
+    """Block maxima, powers of two and the round-to-nearest cast are exact: CUDA gives the CPU's codes."""
+    from hf_zeroone.compression import FLOAT8_BLOCK, decode_float8, encode_float8
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64 * FLOAT8_BLOCK, generator=g) * torch.exp(torch.randn(64 * FLOAT8_BLOCK, generator=g) * 6)
+    x[::7] = -0.0
+    x[5 * FLOAT8_BLOCK + 3] = float("nan")
+    codes, exponents = encode_float8(x)
+    codes_cuda, exponents_cuda = encode_float8(x.to(CUDA))
+    assert torch.equal(exponents_cuda.cpu(), exponents)
+    finite = torch.isfinite(x.view(-1, FLOAT8_BLOCK)).all(dim=1).repeat_interleave(FLOAT8_BLOCK)
+    assert torch.equal(codes_cuda.cpu()[finite], codes[finite])  # a NaN block's codes are never read
+    cpu, cuda = decode_float8(codes, exponents), decode_float8(codes_cuda, exponents_cuda).cpu()
+    assert torch.equal(cuda[finite].view(torch.int32), cpu[finite].view(torch.int32))
+    assert torch.isnan(cuda[~finite]).all() and torch.isnan(cpu[~finite]).all()
+    sizes = [1000, 3, 130, 257, 64]
+    y = torch.randn(sum(sizes), generator=g)
+    for world in (2, 3):
+        on_cpu = Communicator._loopback(world, rank=world - 1, threaded=False)
+        on_cuda = Communicator._loopback(world, rank=world - 1, threaded=False)
+        a = on_cpu.float8_allreduce_async(y.clone(), sizes).wait()
+        b = on_cuda.float8_allreduce_async(y.to(CUDA), sizes).wait().cpu()
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), world
+        on_cpu.close()
+        on_cuda.close()

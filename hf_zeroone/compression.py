@@ -328,20 +328,28 @@ def encode_float8(x: Tensor) -> tuple[Tensor, Tensor]:
     ``exponents``: uint8, one per block, the bits of the int8 ``e`` (-128 for a block with a
     non-finite element). An all-zero block has ``e = 0`` and zero codes.
     """
-    if x.dtype != torch.float32 or x.dim() != 1 or x.numel() % FLOAT8_BLOCK:
-        what = f"{x.dtype} {tuple(x.shape)}"
-        raise ValueError(f"encode_float8 needs a flat float32 tensor of whole {FLOAT8_BLOCK}-element blocks: {what}")
+    _check_float8_input(x)
     codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
     exponents = encode_float8_into(x.clone(), codes)
     return codes, exponents
 
 
+def _check_float8_input(x: Tensor) -> None:
+    if x.dtype != torch.float32 or x.dim() != 1 or x.numel() % FLOAT8_BLOCK:
+        what = f"{x.dtype} {tuple(x.shape)}"
+        raise ValueError(f"encode_float8 needs a flat float32 tensor of whole {FLOAT8_BLOCK}-element blocks: {what}")
+
+
 def encode_float8_into(x: Tensor, codes: Tensor) -> Tensor:
-    """:func:`encode_float8` writing the codes into ``codes`` (uint8, ``x``'s shape); returns the exponents.
+    """:func:`encode_float8` writing the codes into ``codes``; returns the exponents.
 
     ``x`` (flat float32, whole blocks) is overwritten: it is scaled in place, one pass fewer and
-    no new vector of its size. ``codes`` may be a strided view (a row of a message).
+    no new vector of its size. ``codes``: uint8 with as many elements as ``x`` (which is read in
+    ``codes``' shape), possibly a strided view (the rows of a message).
     """
+    _check_float8_input(x)
+    if codes.dtype != torch.uint8 or codes.numel() != x.numel():
+        raise ValueError(f"codes must be uint8 with {x.numel()} elements, got {codes.dtype} {tuple(codes.shape)}")
     blocks = x.view(-1, FLOAT8_BLOCK)
     # max |x| = max(max x, -min x), without a new |x| per element (aminmax with a dim is slower on CPU)
     amax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())

@@ -196,3 +196,14 @@ def test_decoding_into_a_given_buffer_writes_the_same_bits_and_refuses_a_wrong_o
         with pytest.raises(ValueError, match="out must be a contiguous float32 tensor"):
             decode_float8(codes, exponents, out=bad)
         assert torch.equal(bad, before)
+
+
+def test_encoding_into_a_wrong_buffer_is_refused_before_anything_is_written():
+    from hf_zeroone.compression import encode_float8_into
+
+    x = torch.randn(2 * FLOAT8_BLOCK)
+    for bad in (torch.zeros(FLOAT8_BLOCK, dtype=torch.uint8), torch.zeros(2 * FLOAT8_BLOCK, dtype=torch.int16)):
+        before = x.clone()
+        with pytest.raises(ValueError, match="codes must be uint8 with 256 elements"):
+            encode_float8_into(x, bad)
+        assert torch.equal(x, before)

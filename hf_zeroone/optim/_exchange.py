@@ -58,7 +58,7 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
             combined = opt.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout, lane)
         else:
             combined = opt.average_exact_async(message, params, lane).wait()
-        del message  # the compressed allreduce's scratch: freed before the next bucket
+        del message  # a compressed result lives in its memory (freed with the result, before the next bucket)
         combined_views = views(combined)
         opt.messages.finish(kind, params, combined_views, lane)
         if kind is StepKind.ONEBIT_MOMENTUM:

@@ -18,8 +18,8 @@ rank's chunk is dropped (the new server starts it from zero); the rank that held
 passed it on without communicating. A cached layout that shares a parameter with the new one no
 longer backs any state and is freed.
 
-Messages are not stored: each call gets a new buffer (:meth:`FlatBuffers.new_message`), freed once
-the compressed allreduce has consumed it.
+Messages are not stored: each call gets a new buffer (:meth:`FlatBuffers.new_message`); the
+compressed allreduce returns its result in that buffer's memory, freed once the result is used.
 """
 
 from __future__ import annotations

@@ -112,12 +112,17 @@ def release_rows(state: dict[str, Any], released: Tensor, user_mask: Tensor | No
 
 
 def known_variance(state: dict[str, Any]) -> tuple[float, int]:
-    """Sum and count of the non-zero variances of the unmasked elements."""
+    """Sum (in float32) and count of the non-zero variances of the unmasked elements.
+
+    Masked elements are left out by zeros in their place, and a zero variance is neither summed
+    nor counted. Selecting the known elements instead (``v[known]``) listed each one's
+    coordinates first, 16 bytes per element: a spike of about 20 bytes per element on the step
+    that releases rows (after float8 exact steps, the first compression step).
+    """
     v = state["exp_avg_sq"]
-    known = v != 0
     if "momentum_mask" in state:
-        known &= state["momentum_mask"]
-    return float(v[known].float().sum()), int(known.sum())
+        v = torch.where(state["momentum_mask"], v, torch.zeros((), dtype=v.dtype, device=v.device))
+    return float(v.float().sum()), int(torch.count_nonzero(v))
 
 
 def clear_activity(state: dict[str, Any]) -> None:

@@ -199,24 +199,39 @@ def test_a_checkpoint_with_this_ranks_server_error_resumes_exactly(resumed, name
     assert sum(r["served"] for r in res) == res[0]["total"]
 
 
-_PEAK_SCRIPT = """
+# Run in a fresh process with large blocks mapped straight from the OS and back (as
+# recipes/bench_memory.py measures), so that the resident size sees every transient buffer.
+_PEAK_PRELUDE = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "recipes")!r})
+from bench_memory import reset_peak, resident_bytes
+
+def peak(make_call, n):
+    call = make_call()  # the inputs are made before the measurement
+    before, _ = resident_bytes()
+    reset_peak()
+    result = call()
+    return (resident_bytes()[1] - before) / n, result
+"""
+
+
+def _peak_script_output(script: str) -> str:
+    import os
+    import subprocess
+
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed buffers go back to the OS: RSS is exact
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_PRELUDE + script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+_ALLREDUCE_SCRIPT = """
 import torch
 torch.set_num_threads(1)
 from hf_zeroone.comm import Communicator
 from hf_zeroone.compression import ChunkLayout
-
-def rss(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
-
-def peak(call, n):
-    call = call()  # the inputs are made before the measurement
-    before = rss("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size
-    call()
-    return (rss("VmHWM") - before) / n
 
 n = 3_100_000
 comm = Communicator._loopback(2, rank=1, threaded=False)
@@ -235,8 +250,8 @@ def float8_call():
     return lambda: comm.float8_allreduce_async(buf, [n // 10] * 10).wait()
 
 
-onebit = [peak(onebit_call, n) for _ in range(3)]
-float8 = [peak(float8_call, n) for _ in range(3)]
+onebit = [peak(onebit_call, n)[0] for _ in range(3)]
+float8 = [peak(float8_call, n)[0] for _ in range(3)]
 print(min(onebit[1:]), min(float8[1:]))
 """
 
@@ -249,13 +264,7 @@ def test_an_allreduce_on_the_cpu_needs_little_scratch_beyond_its_message():
     into the message's memory and the float8 codes decoded in blocks: NumPy's ``take`` turns its
     uint8 indices into a new int64 array, 8 bytes per float8 element. Now about 1 and 9.
     """
-    import os
-    import subprocess
-
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed buffers go back to the OS: RSS is exact
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    onebit, float8 = map(float, out.stdout.split())
+    onebit, float8 = map(float, _peak_script_output(_ALLREDUCE_SCRIPT).split())
     assert onebit < 4.0, onebit
     assert float8 < 11.0, float8
 
@@ -264,24 +273,15 @@ _KNOWN_VARIANCE_SCRIPT = """
 import torch
 from hf_zeroone.optim._masks import known_variance
 
-def rss(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
-
 v = torch.rand(2048, 1024)
 v[:, ::3] = 0.0  # elements whose (float8-rounded) gradients were always zero
 mask = torch.ones(2048, 1024, dtype=torch.bool)
 mask[::5, :] = False  # masked rows: left out even where v is not zero
 state = {"exp_avg_sq": v, "momentum_mask": mask}
-before = rss("VmRSS")
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-total, count = known_variance(state)
-peak = (rss("VmHWM") - before) / v.numel()
+bytes_per_element, (total, count) = peak(lambda: lambda: known_variance(state), v.numel())
 known = (v != 0) & mask
 assert count == int(known.sum()) and abs(total - float(v.double()[known].sum())) <= 1e-6 * total, (total, count)
-print(peak)
+print(bytes_per_element)
 """
 
 
@@ -292,12 +292,5 @@ def test_the_known_variance_of_a_masked_tensor_needs_no_list_of_its_elements():
     released there, and ``v[known]`` listed every known element's coordinates (int64, 16 bytes):
     that step's transient peaked at 18 bytes per parameter (``recipes/bench_memory.py --bucket_mb
     1``) against 8-11 after bf16 exact steps. Measured here: about 20 bytes per element before."""
-    import os
-    import subprocess
-
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed buffers go back to the OS: RSS is exact
-    out = subprocess.run(
-        [sys.executable, "-c", _KNOWN_VARIANCE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert float(out.stdout) < 6.0, out.stdout
+    bytes_per_element = float(_peak_script_output(_KNOWN_VARIANCE_SCRIPT))
+    assert bytes_per_element < 6.0, bytes_per_element

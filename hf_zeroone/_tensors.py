@@ -53,6 +53,28 @@ def add_scalar_(tensors: Sequence[Tensor], value: float) -> None:
     torch._foreach_add_(tensors, operand if isinstance(operand, float) else [operand] * len(tensors))
 
 
+def float32_norms(tensors: Sequence[Tensor]) -> Tensor:
+    """The 2-norm of each tensor as one float32 vector: ``torch.linalg.vector_norm(t, dtype=torch.float32)`` each.
+
+    The float32 tensors go through one ``torch._foreach_norm`` (on CPU the same kernel tensor by
+    tensor, so the same bits; on a GPU a few kernels for the whole list instead of one per tensor),
+    the others one at a time, cast as they are reduced (no float32 copy). Per-tensor statistics
+    then stay one vector: each operation on them is one call, not one per tensor.
+    """
+    tensors = list(tensors)
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    norms: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    plain = [i for i, t in enumerate(tensors) if t.dtype == torch.float32]
+    if plain:
+        for i, norm in zip(plain, torch._foreach_norm([tensors[i] for i in plain])):
+            norms[i] = norm
+    for i, t in enumerate(tensors):
+        if norms[i] is None:
+            norms[i] = torch.linalg.vector_norm(t, dtype=torch.float32)
+    return torch.stack(norms)
+
+
 def all_finite(tensors: Iterable[Tensor]) -> bool:
     """``True`` when no element of any tensor is NaN or infinite.
 

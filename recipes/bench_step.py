@@ -9,6 +9,7 @@ optimizer, set up so that every timed step is of that kind::
     python recipes/bench_step.py                       # CPU, a 24-layer BERT of width 64 (400+ tensors)
     python recipes/bench_step.py --device cuda --fused # on a GPU, also against AdamW(fused=True)
     python recipes/bench_step.py --profile             # where each phase's launches come from (step_sites.py)
+    torchrun --standalone --nproc_per_node 2 recipes/bench_step.py --profile  # the same, step() communicating
 
 Prints a markdown table (median milliseconds per step, the ratio to AdamW, and the range of that
 ratio over the rounds). Machines are shared and noisy: the ratios inside one run are the figure,
@@ -18,8 +19,10 @@ not the milliseconds, and a difference smaller than the range is noise.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -94,15 +97,27 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:  # under torchrun: step() communicates over gloo (one bucket message at a time, no DDP)
+        if not args.profile:
+            raise SystemExit("under torchrun only --profile runs (timings are taken in one process)")
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        warnings.filterwarnings("ignore", message=".*communicates in step.. because no hf_zeroone DDP hook ran")
     model = build_model(args.layers, args.width).to(args.device)
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
-    print(f"{len(params)} tensors, {numel:,} parameters, device {args.device}, {args.threads} thread(s)\n")
+    ranks = f", {int(os.environ['WORLD_SIZE'])} ranks (step() communicating)" if distributed else ""
+    if not distributed or int(os.environ.get("RANK", "0")) == 0:
+        print(f"{len(params)} tensors, {numel:,} parameters, device {args.device}, {args.threads} thread(s){ranks}\n")
     baselines = {"AdamW(foreach=True)": lambda: torch.optim.AdamW(params, lr=1e-3, foreach=True)}
     if args.fused:
         baselines["AdamW(fused=True)"] = lambda: torch.optim.AdamW(params, lr=1e-3, fused=True)
     if args.profile:
-        profile(baselines, params, args.device)
+        profile({} if distributed else baselines, params, args.device)  # AdamW sends nothing here: left out
+        if distributed:
+            dist.destroy_process_group()
         return
     rounds: list[dict[str, list[float]]] = []
     for _ in range(args.rounds):  # interleaved, so a noisy stretch of the machine hits every row
@@ -131,7 +146,8 @@ def profile(baselines: dict, params: list[torch.Tensor], device: str) -> None:
         sites, whole = profile_step(opt.step, cuda)
         kind = getattr(opt, "last_step_kind", None)
         label = f"{name} ({kind.value})" if kind is not None and f"({kind.value})" not in name else name
-        print(f"### {label}\n\n{sites_table(sites, whole)}\n")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"### {label}\n\n{sites_table(sites, whole)}\n")
 
 
 def table(rounds: list[dict[str, list[float]]]) -> str:

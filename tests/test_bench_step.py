@@ -62,3 +62,18 @@ def test_profile_counts_launches_per_hf_zeroone_line(tmp_path):
         total = next(r for name, r in lines.items() if name.startswith("all "))
         assert int(total[2]) >= sum(int(r[2]) for r in named) > 0, section
         assert float(lines["whole step (Python included)"][4]) > 0, section
+
+
+def test_profile_under_torchrun_counts_each_phase_with_step_communicating(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(RECIPES / "bench_step.py"), "--layers", "1", "--width", "16", "--profile"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 ranks (step() communicating)" in proc.stdout, proc.stdout
+    bench = _load()
+    headers = [s.splitlines()[0] for s in proc.stdout.split("### ")[1:]]
+    names = list(bench.PHASES)  # rank 0 prints; AdamW, which sends nothing, is left out
+    assert len(headers) == len(names), headers
+    assert all(h == n or h.startswith(f"{n} (") for h, n in zip(headers, names)), headers
+    assert "communicates in step()" not in proc.stderr  # the recipe's own choice, not the user's mistake

@@ -32,6 +32,7 @@ from torch import Tensor
 from hf_zeroone._tensors import (
     add_scalar_,
     div_scalar_,
+    float32_norms,
     mul_scalar,
     mul_scalar_,
     per_tensor_operand,
@@ -226,23 +227,35 @@ def implied_gradients(exp_avgs: Sequence[Tensor], combined: Sequence[Tensor], be
 
 
 def local_sq_norms(grads: Sequence[Tensor | None]) -> Tensor:
-    """``||g||^2`` of each local gradient (0 for ``None``), as one float32 vector."""
+    """``||g||^2`` of each local gradient (0 for ``None``), as one float32 vector (:func:`float32_norms`)."""
     device = next((g.device for g in grads if g is not None), torch.device("cpu"))
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([zero if g is None else torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads])
+    present = [i for i, g in enumerate(grads) if g is not None]
+    out = torch.zeros(len(grads), dtype=torch.float32, device=device)
+    if present:
+        norms = float32_norms([grads[i] for i in present])
+        if len(present) == len(grads):
+            return norms.square_()
+        out[torch.tensor(present, device=device)] = norms.square_()
+    return out
 
 
 def norm_proxy_factors(views: Sequence[Tensor], mean_sq_norms: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Rescale each implied gradient in place to the norm ``sqrt(mean_sq_norms[i])``.
 
     Returns, per tensor, the factor applied and the norm handed on (the view's own norm where the
-    factor is 1: a zero, non-finite or missing norm leaves the view as it is).
+    factor is 1: a zero, non-finite or missing norm leaves the view as it is). The per-tensor
+    norms and factors are computed as vectors (a few calls for all tensors), the views scaled in
+    one multi-tensor call.
     """
-    out = []
-    for view, mean_sq in zip(views, mean_sq_norms):
-        norm = torch.linalg.vector_norm(view)
-        ok = (norm > 0) & (mean_sq > 0) & torch.isfinite(norm)
-        factor = torch.where(ok, mean_sq.sqrt() / norm, torch.ones_like(norm))
-        view.mul_(factor)
-        out.append((factor, torch.where(ok, mean_sq.sqrt(), norm)))
-    return out
+    views = list(views)
+    if not views:
+        return []
+    norms = float32_norms(views)
+    mean_sq = mean_sq_norms.to(device=norms.device, dtype=torch.float32)
+    ok = (norms > 0) & (mean_sq > 0) & torch.isfinite(norms)
+    root = mean_sq.sqrt()
+    factors = torch.where(ok, root / norms, torch.ones_like(norms))
+    handed = torch.where(ok, root, norms)
+    factor_list = list(factors.unbind())
+    torch._foreach_mul_(views, factor_list)
+    return list(zip(factor_list, handed.unbind()))

@@ -73,6 +73,8 @@ LEGACY_KEYS = ("grad_sq", "grad_sq_ref")
 #: elements whose ``sqrt(v) + eps`` is below this fraction of their tensor's mean take no part in
 #: its samples (see :func:`scale_samples`)
 IDLE_BELOW = 0.1
+#: the smallest normal float32: an averaged sample of zero divides as this
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def _correction(beta2: float, updates: int, bias_correction: bool) -> float:
@@ -117,7 +119,9 @@ def sample_statistics(dens: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     vector (compared on the exact integer counts), all on the device: nothing is read on the
     host. They stay while ``v`` does (:class:`._variance_views.VarianceViews` keeps them).
     """
-    means = torch.stack([norm / max(d.numel(), 1) for norm, d in zip(torch._foreach_norm(list(dens), 1), dens)])
+    dens = list(dens)
+    sizes = torch.tensor([max(d.numel(), 1) for d in dens], dtype=torch.float32, device=dens[0].device)
+    means = torch.stack(torch._foreach_norm(dens, 1)) / sizes  # one division for all tensors, as each alone
     counts = torch.stack([d.ge(floor).sum() for d, floor in zip(dens, (means * IDLE_BELOW).unbind())])
     idle = counts < torch.tensor([d.numel() for d in dens], device=counts.device)
     return means, counts.to(torch.float32).clamp_(min=1.0), idle
@@ -315,12 +319,17 @@ class GradientScale:
             for p, st in zip(params, states):
                 if _G not in st:
                     st[_G] = torch.ones((), dtype=torch.float32, device=p.device)
-                if p in samples and p in averaged:
-                    ratio = samples[p][0] / averaged[p].clamp(min=torch.finfo(torch.float32).tiny)
-                    r = st.get(_R, torch.zeros((), dtype=torch.float32, device=p.device))
-                    decay = beta2**gap
-                    st[_R] = r * decay + ratio.to(r.device, torch.float32) * (1.0 - decay)
-                    measured = True
+            both = [(p, st) for p, st in zip(params, states) if p in samples and p in averaged]
+            if both:  # rho <- decay rho + (1 - decay) local / averaged, as one vector for all tensors
+                device = both[0][0].device
+                local = torch.stack([samples[p][0].to(device) for p, _ in both])
+                ratio = local / torch.stack([averaged[p].to(device) for p, _ in both]).clamp(min=_TINY)
+                zero = torch.zeros((), dtype=torch.float32, device=device)
+                r = torch.stack([st.get(_R, zero) for _, st in both])
+                decay = beta2**gap
+                for (_, st), value in zip(both, (r * decay + ratio.to(torch.float32) * (1.0 - decay)).unbind()):
+                    st[_R] = value
+                measured = True
         if measured:
             schedule["noise_samples"] = noise + gap
 

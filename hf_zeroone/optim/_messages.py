@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_zeroone._tensors import float32_norms
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _grad_scale, _local_phase, _masks
 from hf_zeroone.optim._grad_scale import kept_fraction
@@ -68,8 +69,8 @@ class Messages:
         #: per parameter, the factor :meth:`finish` applied to this step's implied gradient
         #: and the norm it handed on (``None``: a local gradient, :meth:`hand_on_local_gradients`)
         self.norm_proxy_factors: dict[Tensor, tuple[Tensor, Tensor | None]] = {}
-        #: per parameter, the fraction of the handed-on norm that clipping left (see contain_spikes)
-        self._clip_fractions: list[tuple[Tensor, Tensor]] = []
+        #: per chunk of parameters, the fraction of each handed-on norm that clipping left (see contain_spikes)
+        self._clip_fractions: list[tuple[list[Tensor], Tensor]] = []
         #: per parameter, the mean over ranks of the local samples summed since the last sync
         self.pending_means: dict[Tensor, Tensor] = {}
 
@@ -332,18 +333,23 @@ class Messages:
         discards the compression residuals error feedback needs. The fraction is noted here and
         acted on by :meth:`contain_spikes`, which reads all of a step's fractions on the host at once.
         """
-        out, index, factors = list(values), [], []
+        out, index, factors, measured, handed = list(values), [], [], [], []
         for i, (p, value) in enumerate(zip(params, values)):
             entry = self.norm_proxy_factors.pop(p, None)
             if entry is None:
                 continue
             factor, handed_norm = entry
             if handed_norm is not None:  # an implied gradient, not a local one (hand_on_local_gradients)
-                clipped = torch.linalg.vector_norm(value.float()) / handed_norm
-                self.opt.grad_scale.note_kept(p, kept_fraction(clipped))
-                self._clip_fractions.append((p, clipped))
+                measured.append(i)
+                handed.append(handed_norm)
             index.append(i)
             factors.append(factor.to(value.dtype))
+        if measured:  # the norms clipping left over the norms handed on, as one vector for all tensors
+            clipped = float32_norms([values[i] for i in measured]) / torch.stack(handed).to(torch.float32)
+            chosen = [params[i] for i in measured]
+            for p, kept in zip(chosen, kept_fraction(clipped).unbind()):
+                self.opt.grad_scale.note_kept(p, kept)
+            self._clip_fractions.append((chosen, clipped))
         if index:
             for i, value in zip(index, torch._foreach_div([values[i] for i in index], factors)):
                 out[i] = value
@@ -359,10 +365,13 @@ class Messages:
         if not pending:
             return
         home = pending[0][1].device
-        if not bool(torch.stack([f.to(home) for _, f in pending]).lt(_SPIKE_CLIP).any()):
+        fractions = torch.cat([f.to(home) for _, f in pending])
+        spiked = fractions.lt(_SPIKE_CLIP)
+        if not bool(spiked.any()):
             return
-        for p, clipped in pending:
-            if bool(clipped < _SPIKE_CLIP):
+        chosen = [p for params, _ in pending for p in params]
+        for p, clipped, spike in zip(chosen, fractions.unbind(), spiked.tolist()):
+            if spike:
                 for key in _ERROR_BUFFERS:
                     if key in self.opt.state[p]:
                         self.opt.state[p][key].mul_(clipped)

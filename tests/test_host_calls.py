@@ -1,0 +1,90 @@
+"""The per-tensor statistics of a compressed step cost a fixed number of torch calls, whatever the tensor count.
+
+On a GPU every torch call on a 0-dim per-tensor value is a kernel launch and some microseconds of
+host work: a model of hundreds of tensors paid thousands per step for its norms, norm-proxy factors
+and clipping fractions (``recipes/bench_step.py --profile``). These functions now work on one
+vector for all tensors; the tests count the torch functions they call (attribute reads left out),
+for a few tensors and for many, and check that the count does not grow with the tensor count.
+They also pin the results against the per-tensor formulas, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from hf_zeroone._tensors import float32_norms
+from hf_zeroone.optim import _functional as F
+from hf_zeroone.optim._grad_scale import IDLE_BELOW, kept_fraction, sample_statistics
+
+
+class _Calls(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if not getattr(func, "__name__", "").endswith("__get__"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _calls(fn, *args) -> int:  # noqa: ANN001
+    with _Calls() as mode:
+        fn(*args)
+    return mode.count
+
+
+def _tensors(n: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (33,), (4, 4, 3), (1,), (0,)]
+    return [torch.randn(shapes[i % len(shapes)], generator=gen) for i in range(n)]
+
+
+def test_norms_and_norm_proxies_make_as_many_calls_for_many_tensors_as_for_few():
+    for fn, make in (
+        (F.local_sq_norms, lambda n: (_tensors(n),)),
+        (float32_norms, lambda n: (_tensors(n),)),
+        (F.norm_proxy_factors, lambda n: (_tensors(n), torch.rand(n))),
+    ):
+        few, many = _calls(fn, *make(6)), _calls(fn, *make(120))
+        assert many <= few + 2, f"{fn.__name__}: {few} torch calls for 6 tensors, {many} for 120"
+
+
+def test_the_vector_forms_give_the_per_tensor_results_bit_for_bit():
+    ts = _tensors(23) + [None]
+    squares = F.local_sq_norms(ts)
+    for t, sq in zip(ts, squares):
+        expected = torch.zeros(()) if t is None else torch.linalg.vector_norm(t, dtype=torch.float32) ** 2
+        assert torch.equal(sq, expected)
+    low = [t.bfloat16() for t in _tensors(9, seed=1)]  # cast as they are reduced, not copied
+    for t, norm in zip(low, float32_norms(low)):
+        assert torch.equal(norm, torch.linalg.vector_norm(t.float()))
+
+    views = _tensors(23, seed=2)
+    views[3].zero_()
+    views[5][0] = float("inf")
+    mean_sq = torch.rand(23)
+    mean_sq[7] = 0.0
+    mean_sq[9] = float("nan")
+    before = [v.clone() for v in views]
+    entries = F.norm_proxy_factors(views, mean_sq)
+    for v, old, m, (factor, handed) in zip(views, before, mean_sq, entries):
+        norm = torch.linalg.vector_norm(old)
+        ok = (norm > 0) & (m > 0) & torch.isfinite(norm)
+        assert torch.equal(factor, torch.where(ok, m.sqrt() / norm, torch.ones_like(norm)))
+        assert torch.equal(handed, torch.where(ok, m.sqrt(), norm))
+        assert torch.allclose(v, old * factor, rtol=0, atol=0, equal_nan=True)  # the same bits, NaN included
+
+    ratios = torch.tensor([1.0, 1.0 - 1e-6, 0.5, 1.5])
+    assert torch.equal(kept_fraction(ratios), torch.tensor([1.0, 1.0, 0.5, 1.0]))
+
+
+def test_sample_statistics_means_are_each_tensors_mean_denominator():
+    dens = [t.abs() + 1e-3 for t in _tensors(11, seed=3)] + [torch.full((40_000,), 0.37)]
+    means, counts, idle = sample_statistics(dens)
+    for d, mean, count, flag in zip(dens, means, counts, idle):
+        expected = torch.linalg.vector_norm(d, 1) / max(d.numel(), 1)
+        assert torch.equal(mean, expected)
+        active = int(d.ge(expected * IDLE_BELOW).sum())
+        assert count == max(active, 1) and bool(flag) == (active < d.numel())

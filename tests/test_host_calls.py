@@ -52,7 +52,7 @@ def test_norms_and_norm_proxies_make_as_many_calls_for_many_tensors_as_for_few()
 
 
 def test_the_vector_forms_give_the_per_tensor_results_bit_for_bit():
-    ts = _tensors(23) + [None]
+    ts = _tensors(11) + [None] + _tensors(12, seed=4) + [None]
     squares = F.local_sq_norms(ts)
     for t, sq in zip(ts, squares):
         expected = torch.zeros(()) if t is None else torch.linalg.vector_norm(t, dtype=torch.float32) ** 2

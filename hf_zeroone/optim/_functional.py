@@ -229,14 +229,12 @@ def implied_gradients(exp_avgs: Sequence[Tensor], combined: Sequence[Tensor], be
 def local_sq_norms(grads: Sequence[Tensor | None]) -> Tensor:
     """``||g||^2`` of each local gradient (0 for ``None``), as one float32 vector (:func:`float32_norms`)."""
     device = next((g.device for g in grads if g is not None), torch.device("cpu"))
-    present = [i for i, g in enumerate(grads) if g is not None]
-    out = torch.zeros(len(grads), dtype=torch.float32, device=device)
-    if present:
-        norms = float32_norms([grads[i] for i in present])
-        if len(present) == len(grads):
-            return norms.square_()
-        out[torch.tensor(present, device=device)] = norms.square_()
-    return out
+    present = [g for g in grads if g is not None]
+    squares = iter(float32_norms(present).square_().unbind() if present else ())
+    if len(present) == len(grads):
+        return torch.stack(list(squares)) if present else torch.zeros(0, dtype=torch.float32, device=device)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([zero if g is None else next(squares) for g in grads])
 
 
 def norm_proxy_factors(views: Sequence[Tensor], mean_sq_norms: Tensor) -> list[tuple[Tensor, Tensor]]:

@@ -120,10 +120,11 @@ def sample_statistics(dens: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     host. They stay while ``v`` does (:class:`._variance_views.VarianceViews` keeps them).
     """
     dens = list(dens)
-    sizes = torch.tensor([max(d.numel(), 1) for d in dens], dtype=torch.float32, device=dens[0].device)
-    means = torch.stack(torch._foreach_norm(dens, 1)) / sizes  # one division for all tensors, as each alone
+    numels = torch.tensor([d.numel() for d in dens], device=dens[0].device)
+    # one division for all tensors, as each alone (a count converts to float32 as a Python int would)
+    means = torch.stack(torch._foreach_norm(dens, 1)) / numels.clamp(min=1).to(torch.float32)
     counts = torch.stack([d.ge(floor).sum() for d, floor in zip(dens, (means * IDLE_BELOW).unbind())])
-    idle = counts < torch.tensor([d.numel() for d in dens], device=counts.device)
+    idle = counts < numels
     return means, counts.to(torch.float32).clamp_(min=1.0), idle
 
 

@@ -410,3 +410,45 @@ def test_bf16_exact_steps_hook_equals_step_and_halve_the_bytes(equivalence_bf16,
     for kind, stats, before in zip(res["kinds"], res["stats"], fp32["stats"]):
         if kind != "exact":
             assert stats["bytes_sent"] == before["bytes_sent"] and stats["collectives"] == before["collectives"]
+
+
+def _accelerator_forms(rank, world):
+    """The same runs with the accelerator's multi-tensor forms (``STACK_ON_CPU``) and with the CPU's."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hf_zeroone._tensors as T
+    from hf_zeroone.ddp_hook import register_zeroone_hook
+
+    from _workloads import batches, flat_params, loss_fn, make_model
+
+    out = {}
+    for forced in (False, True):
+        T.STACK_ON_CPU = forced
+        for name in ("onebit", "zeroone"):
+            model = make_model()
+            ddp = DDP(model)
+            schedule = {"var_freeze_step": 6} if name == "zeroone" else {}
+            opt = _opt(name, ddp.parameters(), exact_step_dtype="float8_e4m3fn", **schedule)
+            register_zeroone_hook(ddp, opt)
+            trace = []
+            for x, y in batches(rank, 16):
+                opt.zero_grad()
+                loss_fn(ddp, x, y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # clipped: the norm proxies matter
+                opt.step()
+                trace.append(flat_params(model).clone())
+            out[(forced, name)] = trace
+    T.STACK_ON_CPU = False
+    return out
+
+
+@pytest.mark.slow
+def test_the_accelerator_forms_train_to_the_cpu_forms_bits():
+    """Every multi-tensor and stacked form the GPU takes, run on the CPU, leaves the same parameters at every step."""
+    for per_rank in run_ranks(_accelerator_forms, 2, timeout=200):
+        for name in ("onebit", "zeroone"):
+            cpu, accelerator = per_rank[(False, name)], per_rank[(True, name)]
+            assert len(cpu) == len(accelerator) == 16
+            for step, (a, b) in enumerate(zip(cpu, accelerator)):
+                assert torch.equal(a, b), (name, step)

@@ -88,3 +88,29 @@ def test_sample_statistics_means_are_each_tensors_mean_denominator():
         assert torch.equal(mean, expected)
         active = int(d.ge(expected * IDLE_BELOW).sum())
         assert count == max(active, 1) and bool(flag) == (active < d.numel())
+
+
+def test_the_accelerator_forms_of_the_momentum_lerps_give_the_cpu_forms_bits_in_a_few_calls(monkeypatch):
+    """On an accelerator the two lerp loops are multi-tensor calls (checked here on the CPU, forced)."""
+    import hf_zeroone._tensors as T
+
+    ms, gs, outs = _tensors(30, seed=5), _tensors(30, seed=6), _tensors(30, seed=7)
+    ms[4], outs[9] = ms[4].bfloat16(), outs[9].double()  # mixed dtypes keep the per-tensor form
+    results = {}
+    for forced in (False, True):
+        monkeypatch.setattr(T, "STACK_ON_CPU", forced)
+        messages = [torch.empty_like(o) for o in outs]
+        F.momentum_messages(ms, gs, 0.9, messages)
+        implied = [o.clone() for o in outs]
+        F.implied_gradients(ms, implied, 0.9)
+        results[forced] = messages + implied
+    for cpu, accelerator in zip(results[False], results[True]):
+        assert cpu.dtype == accelerator.dtype and torch.equal(cpu, accelerator)
+
+    monkeypatch.setattr(T, "STACK_ON_CPU", True)
+    for fn, make in (
+        (F.momentum_messages, lambda n: (_tensors(n), _tensors(n, 1), 0.9, _tensors(n, 2))),
+        (F.implied_gradients, lambda n: (_tensors(n), _tensors(n, 1), 0.9)),
+    ):
+        few, many = _calls(fn, *make(6)), _calls(fn, *make(120))
+        assert many <= few + 2, f"{fn.__name__}: {few} torch calls for 6 tensors, {many} for 120"

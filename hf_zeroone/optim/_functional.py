@@ -155,8 +155,20 @@ def adam_update(
 def momentum_messages(
     exp_avgs: Sequence[Tensor], grads: Sequence[Tensor], beta1: float, outs: Sequence[Tensor]
 ) -> None:
-    """``out = beta1 * m + (1 - beta1) * g`` for every triple (1-bit Adam's message), as the update computes it."""
-    for m, g, out in zip(exp_avgs, grads, outs):
+    """``out = beta1 * m + (1 - beta1) * g`` for every triple (1-bit Adam's message), as the update computes it.
+
+    On the CPU one pass per tensor (``torch.lerp(..., out=)``); on an accelerator, where a call per
+    tensor is a kernel launch, a copy of ``m`` and a lerp in place, two multi-tensor calls for all
+    tensors of one dtype: the same operation, so the same bits.
+    """
+    triples = list(zip(exp_avgs, grads, outs))
+    plain = [t for t in triples if t[0].dtype == t[2].dtype == t[1].dtype]
+    if plain and stacks_by_shape(plain[0][2].device):
+        chosen = [out for _, _, out in plain]
+        torch._foreach_copy_(chosen, [m for m, _, _ in plain])
+        torch._foreach_lerp_(chosen, [g for _, g, _ in plain], 1.0 - beta1)
+        triples = [t for t in triples if not t[0].dtype == t[2].dtype == t[1].dtype]
+    for m, g, out in triples:
         if m.dtype == out.dtype and g.dtype == out.dtype:
             torch.lerp(m, g, 1.0 - beta1, out=out)  # one pass; the same operation as the update
         else:
@@ -220,8 +232,15 @@ def implied_gradients(exp_avgs: Sequence[Tensor], combined: Sequence[Tensor], be
     """Turn each combined momentum ``m'`` into the gradient it implies, in place.
 
     ``g = (m' - beta1 * m) / (1 - beta1)``, so that ``beta1 * m + (1 - beta1) * g == m'``; computed in
-    one pass as ``m + (m' - m) / (1 - beta1)`` (a lerp from ``m`` past ``m'``).
+    one pass as ``m + (m' - m) / (1 - beta1)`` (a lerp from ``m`` past ``m'``). On an accelerator
+    the lerps of all tensors are one multi-tensor call into new tensors, copied back in one more
+    (a kernel launch per tensor saved, for a transient copy of the values): the same bits.
     """
+    combined = list(combined)
+    if combined and stacks_by_shape(combined[0].device):
+        starts = as_dtypes(exp_avgs, combined)
+        torch._foreach_copy_(combined, torch._foreach_lerp(starts, combined, 1.0 / (1.0 - beta1)))
+        return
     for m, out in zip(exp_avgs, combined):
         torch.lerp(m.to(out.dtype), out, 1.0 / (1.0 - beta1), out=out)
 

@@ -149,3 +149,30 @@ def per_tensor_operand(values: Sequence[Tensor], group: Sequence[int], ndim: int
     ``ndim``: the dimensions of each tensor of the group (one call, no copy from the host).
     """
     return torch.stack([values[i] for i in group]).view(-1, *([1] * ndim))
+
+
+def apply_per_tensor(op: str, tensors: Sequence[Tensor], operands: Sequence[Tensor], in_place: bool) -> list[Tensor]:
+    """``t * f`` or ``t / f`` (``op``: ``"mul"`` or ``"div"``) for each tensor and its 0-dim operand.
+
+    In place (returns ``tensors``) or as new tensors. On the CPU one multi-tensor call. On an
+    accelerator a multi-tensor call with a 0-dim operand per tensor runs tensor by tensor, a kernel
+    launch each: same-shaped tensors are stacked (:func:`shape_groups`) and take their operands in
+    one broadcast call, then are copied back (in place) or handed out as views of the stack. The
+    operands must be float32 or of their tensor's dtype: both forms then compute in the same
+    precision and give the same bits.
+    """
+    tensors, operands = list(tensors), list(operands)
+    if not tensors or not stacks_by_shape(tensors[0].device):
+        fn = getattr(torch, f"_foreach_{op}_" if in_place else f"_foreach_{op}")
+        out = fn(tensors, operands)
+        return tensors if in_place else list(out)
+    out = list(tensors)
+    for group in shape_groups(tensors, range(len(tensors))):
+        stacked = torch.stack([tensors[i] for i in group])
+        getattr(stacked, f"{op}_")(per_tensor_operand(operands, group, stacked.dim() - 1))
+        if in_place:
+            torch._foreach_copy_([tensors[i] for i in group], list(stacked.unbind()))
+        else:
+            for i, value in zip(group, stacked.unbind()):
+                out[i] = value
+    return out

@@ -3,9 +3,10 @@
 On a GPU every torch call on a 0-dim per-tensor value is a kernel launch and some microseconds of
 host work: a model of hundreds of tensors paid thousands per step for its norms, norm-proxy factors
 and clipping fractions (``recipes/bench_step.py --profile``). These functions now work on one
-vector for all tensors; the tests count the torch functions they call (attribute reads left out),
-for a few tensors and for many, and check that the count does not grow with the tensor count.
-They also pin the results against the per-tensor formulas, bit for bit.
+vector for all tensors; the tests count the torch functions they call (reads of shapes, sizes and
+dtypes left out), for a few tensors and for many, and check that the count does not grow with the
+tensor count. They also pin the results against the per-tensor formulas, bit for bit, and the
+accelerator's forms (forced on the CPU) against the CPU's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from hf_zeroone._tensors import float32_norms
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._grad_scale import IDLE_BELOW, kept_fraction, sample_statistics
 
+#: reads of a tensor's metadata: host work, never a kernel launch
+_METADATA = {"numel", "dim", "size"}
+
 
 class _Calls(TorchFunctionMode):
     def __init__(self) -> None:
@@ -24,7 +28,8 @@ class _Calls(TorchFunctionMode):
         self.count = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if not getattr(func, "__name__", "").endswith("__get__"):
+        name = getattr(func, "__name__", "")
+        if not name.endswith("__get__") and name not in _METADATA:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -114,3 +119,31 @@ def test_the_accelerator_forms_of_the_momentum_lerps_give_the_cpu_forms_bits_in_
     ):
         few, many = _calls(fn, *make(6)), _calls(fn, *make(120))
         assert many <= few + 2, f"{fn.__name__}: {few} torch calls for 6 tensors, {many} for 120"
+
+
+def test_per_tensor_operands_applied_by_shape_give_the_multi_tensor_bits(monkeypatch):
+    """The accelerator's stacked form of ``t * f`` / ``t / f`` equals the multi-tensor call, in place or not."""
+    import hf_zeroone._tensors as T
+
+    gen = torch.Generator().manual_seed(8)
+    tensors = _tensors(25, seed=9)
+    tensors[3], tensors[8] = tensors[3].bfloat16(), tensors[8].bfloat16()  # rounded operands in their dtype
+    operands = [torch.rand((), generator=gen) * 3 + 0.1 for _ in tensors]
+    results = {}
+    for forced in (False, True):
+        monkeypatch.setattr(T, "STACK_ON_CPU", forced)
+        got = []
+        for op in ("mul", "div"):
+            copies = [t.clone() for t in tensors]
+            assert T.apply_per_tensor(op, copies, operands, in_place=True) is not None
+            got += copies
+            got += T.apply_per_tensor(op, tensors, operands, in_place=False)
+        results[forced] = got
+    for cpu, accelerator in zip(results[False], results[True]):
+        assert cpu.dtype == accelerator.dtype and torch.equal(cpu, accelerator)
+
+    monkeypatch.setattr(T, "STACK_ON_CPU", True)  # a call or a few per shape, not per tensor
+    small, large = (_tensors(n) for n in (10, 200))
+    few = _calls(T.apply_per_tensor, "mul", small, [torch.tensor(2.0)] * 10, True)
+    many = _calls(T.apply_per_tensor, "mul", large, [torch.tensor(2.0)] * 200, True)
+    assert many <= few + 2, (few, many)

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from hf_zeroone._tensors import (
     add_scalar_,
+    apply_per_tensor,
     div_scalar_,
     float32_norms,
     mul_scalar,
@@ -261,8 +262,8 @@ def norm_proxy_factors(views: Sequence[Tensor], mean_sq_norms: Tensor) -> list[t
 
     Returns, per tensor, the factor applied and the norm handed on (the view's own norm where the
     factor is 1: a zero, non-finite or missing norm leaves the view as it is). The per-tensor
-    norms and factors are computed as vectors (a few calls for all tensors), the views scaled in
-    one multi-tensor call.
+    norms and factors are computed as vectors (a few calls for all tensors), the views scaled by
+    :func:`~hf_zeroone._tensors.apply_per_tensor`.
     """
     views = list(views)
     if not views:
@@ -274,5 +275,5 @@ def norm_proxy_factors(views: Sequence[Tensor], mean_sq_norms: Tensor) -> list[t
     factors = torch.where(ok, root / norms, torch.ones_like(norms))
     handed = torch.where(ok, root, norms)
     factor_list = list(factors.unbind())
-    torch._foreach_mul_(views, factor_list)
+    apply_per_tensor("mul", views, factor_list, in_place=True)
     return list(zip(factor_list, handed.unbind()))

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import float32_norms
+from hf_zeroone._tensors import apply_per_tensor, float32_norms
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _grad_scale, _local_phase, _masks
 from hf_zeroone.optim._grad_scale import kept_fraction
@@ -309,11 +309,7 @@ class Messages:
             return out
         chosen = [grads[i] for i in index]
         factors = F.as_dtypes(list(torch.stack([rhos[i] for i in index]).rsqrt().unbind()), chosen)
-        if in_place:
-            torch._foreach_mul_(chosen, factors)
-            scaled = chosen
-        else:
-            scaled = torch._foreach_mul(chosen, factors)
+        scaled = apply_per_tensor("mul", chosen, factors, in_place=in_place)
         for i, value, factor in zip(index, scaled, factors):
             out[i] = value
             self.norm_proxy_factors[params[i]] = (factor, None)
@@ -351,7 +347,7 @@ class Messages:
                 self.opt.grad_scale.note_kept(p, kept)
             self._clip_fractions.append((chosen, clipped))
         if index:
-            for i, value in zip(index, torch._foreach_div([values[i] for i in index], factors)):
+            for i, value in zip(index, apply_per_tensor("div", [values[i] for i in index], factors, in_place=False)):
                 out[i] = value
         return out
 

@@ -168,6 +168,10 @@ def apply_per_tensor(op: str, tensors: Sequence[Tensor], operands: Sequence[Tens
         return tensors if in_place else list(out)
     out = list(tensors)
     for group in shape_groups(tensors, range(len(tensors))):
+        if len(group) == 1:  # alone in its shape (or too large to stack): one call, no copy
+            i = group[0]
+            out[i] = getattr(tensors[i], f"{op}_" if in_place else op)(operands[i])
+            continue
         stacked = torch.stack([tensors[i] for i in group])
         getattr(stacked, f"{op}_")(per_tensor_operand(operands, group, stacked.dim() - 1))
         if in_place:

@@ -194,7 +194,7 @@ def to_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: Ten
     ``value * mean / d``, two in-place passes and no weight tensor.
     """
     values = list(values)
-    torch._foreach_mul_(values, list(means.unbind()))
+    apply_per_tensor("mul", values, list(means.unbind()), in_place=True)
     torch._foreach_div_(values, list(dens))
 
 
@@ -202,7 +202,7 @@ def from_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: T
     """The inverse of :func:`to_update_units`, in place: each value times ``d / mean(d)``."""
     values = list(values)
     torch._foreach_mul_(values, list(dens))
-    torch._foreach_div_(values, list(means.unbind()))
+    apply_per_tensor("div", values, list(means.unbind()), in_place=True)
 
 
 def variance_bound(beta2: float) -> float:

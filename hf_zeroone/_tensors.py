@@ -151,18 +151,20 @@ def per_tensor_operand(values: Sequence[Tensor], group: Sequence[int], ndim: int
     return torch.stack([values[i] for i in group]).view(-1, *([1] * ndim))
 
 
-def apply_per_tensor(op: str, tensors: Sequence[Tensor], operands: Sequence[Tensor], in_place: bool) -> list[Tensor]:
-    """``t * f`` or ``t / f`` (``op``: ``"mul"`` or ``"div"``) for each tensor and its 0-dim operand.
+def apply_per_tensor(
+    op: str, tensors: Sequence[Tensor], operands: Sequence[Tensor] | Sequence[float], in_place: bool
+) -> list[Tensor]:
+    """``t * f`` or ``t / f`` (``op``: ``"mul"`` or ``"div"``) for each tensor and its operand.
 
-    In place (returns ``tensors``) or as new tensors. On the CPU one multi-tensor call. On an
-    accelerator a multi-tensor call with a 0-dim operand per tensor runs tensor by tensor, a kernel
-    launch each: same-shaped tensors are stacked (:func:`shape_groups`) and take their operands in
-    one broadcast call, then are copied back (in place) or handed out as views of the stack. The
-    operands must be float32 or of their tensor's dtype: both forms then compute in the same
-    precision and give the same bits.
+    In place (returns ``tensors``) or as new tensors. Host numbers, and any operands on the CPU,
+    go in one multi-tensor call. On an accelerator a multi-tensor call with a 0-dim tensor operand
+    per tensor runs tensor by tensor, a kernel launch each: same-shaped tensors are stacked
+    (:func:`shape_groups`) and take their operands in one broadcast call, then are copied back
+    (in place) or handed out as views of the stack. Tensor operands must be float32 or of their
+    tensor's dtype: both forms then compute in the same precision and give the same bits.
     """
     tensors, operands = list(tensors), list(operands)
-    if not tensors or not stacks_by_shape(tensors[0].device):
+    if not tensors or not isinstance(operands[0], Tensor) or not stacks_by_shape(tensors[0].device):
         fn = getattr(torch, f"_foreach_{op}_" if in_place else f"_foreach_{op}")
         out = fn(tensors, operands)
         return tensors if in_place else list(out)

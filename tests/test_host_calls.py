@@ -142,8 +142,13 @@ def test_per_tensor_operands_applied_by_shape_give_the_multi_tensor_bits(monkeyp
     for cpu, accelerator in zip(results[False], results[True]):
         assert cpu.dtype == accelerator.dtype and torch.equal(cpu, accelerator)
 
-    monkeypatch.setattr(T, "STACK_ON_CPU", True)  # a call or a few per shape, not per tensor
-    small, large = (_tensors(n) for n in (10, 200))
+    monkeypatch.setattr(T, "STACK_ON_CPU", True)
+    numbers = [0.5 + i / 7 for i in range(len(tensors))]  # host numbers: one multi-tensor call everywhere
+    divided = T.apply_per_tensor("div", tensors, numbers, in_place=False)
+    for got, want in zip(divided, torch._foreach_div(tensors, numbers)):
+        assert torch.equal(got, want)
+
+    small, large = (_tensors(n) for n in (10, 200))  # a call or a few per shape, not per tensor
     few = _calls(T.apply_per_tensor, "mul", small, [torch.tensor(2.0)] * 10, True)
     many = _calls(T.apply_per_tensor, "mul", large, [torch.tensor(2.0)] * 200, True)
     assert many <= few + 2, (few, many)

@@ -163,17 +163,17 @@ def momentum_messages(
     tensors of one dtype: the same operation, so the same bits.
     """
     triples = list(zip(exp_avgs, grads, outs))
-    plain = [t for t in triples if t[0].dtype == t[2].dtype == t[1].dtype]
+    plain = [(m, g, out) for m, g, out in triples if m.dtype == g.dtype == out.dtype]
+    mixed = [(m, g, out) for m, g, out in triples if not m.dtype == g.dtype == out.dtype]
     if plain and stacks_by_shape(plain[0][2].device):
         chosen = [out for _, _, out in plain]
         torch._foreach_copy_(chosen, [m for m, _, _ in plain])
         torch._foreach_lerp_(chosen, [g for _, g, _ in plain], 1.0 - beta1)
-        triples = [t for t in triples if not t[0].dtype == t[2].dtype == t[1].dtype]
-    for m, g, out in triples:
-        if m.dtype == out.dtype and g.dtype == out.dtype:
-            torch.lerp(m, g, 1.0 - beta1, out=out)  # one pass; the same operation as the update
-        else:
-            out.copy_(m).lerp_(g.to(out.dtype), 1.0 - beta1)
+        plain = []
+    for m, g, out in plain:
+        torch.lerp(m, g, 1.0 - beta1, out=out)  # one pass; the same operation as the update
+    for m, g, out in mixed:
+        out.copy_(m).lerp_(g.to(out.dtype), 1.0 - beta1)
 
 
 def to_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: Tensor) -> None:
@@ -250,11 +250,13 @@ def local_sq_norms(grads: Sequence[Tensor | None]) -> Tensor:
     """``||g||^2`` of each local gradient (0 for ``None``), as one float32 vector (:func:`float32_norms`)."""
     device = next((g.device for g in grads if g is not None), torch.device("cpu"))
     present = [g for g in grads if g is not None]
-    squares = iter(float32_norms(present).square_().unbind() if present else ())
+    if not present:
+        return torch.zeros(len(grads), dtype=torch.float32, device=device)
+    squares = float32_norms(present).square_()
     if len(present) == len(grads):
-        return torch.stack(list(squares)) if present else torch.zeros(0, dtype=torch.float32, device=device)
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([zero if g is None else next(squares) for g in grads])
+        return squares
+    zero, each = torch.zeros((), dtype=torch.float32, device=device), iter(squares.unbind())
+    return torch.stack([zero if g is None else next(each) for g in grads])
 
 
 def norm_proxy_factors(views: Sequence[Tensor], mean_sq_norms: Tensor) -> list[tuple[Tensor, Tensor]]:

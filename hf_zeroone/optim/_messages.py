@@ -96,7 +96,7 @@ class Messages:
             states = [state[p] for p in params]
             _local_phase.displacements(params, states, outs)
             if units:  # per unit of learning rate, in the frozen variance's units: see _local_phase.per_lr_units
-                _scale_by(list(outs), self.sync_units(params), "div")
+                apply_per_tensor("div", list(outs), self.sync_units(params), in_place=True)
             return
         for p, g in zip(params, grads):  # ONEBIT_GRADIENT, ONEBIT_MOMENTUM
             _masks.note_activity(state[p], g)
@@ -218,7 +218,7 @@ class Messages:
                 dens, stats = opt.plain_denominators(group, ps, opt._coefficients(group, kind)[1])
                 F.from_update_units(vs, dens, stats.means)
         if kind is StepKind.ONEBIT_SYNC:  # out of the units of write()
-            _scale_by(list(views), self.sync_units(params), "mul")
+            apply_per_tensor("mul", list(views), self.sync_units(params), in_place=True)
         rest = lane
         if kind is StepKind.ONEBIT_MOMENTUM:
             for group, ps, vs in opt.grouped(params, views):
@@ -371,14 +371,3 @@ class Messages:
                 for key in _ERROR_BUFFERS:
                     if key in self.opt.state[p]:
                         self.opt.state[p][key].mul_(clipped)
-
-
-def _scale_by(tensors: list[Tensor], units: list[float] | list[Tensor], op: str) -> None:
-    """Each tensor times (``op="mul"``) or divided by its unit, in place.
-
-    Host numbers go in one multi-tensor call, 0-dim tensors through :func:`apply_per_tensor`.
-    """
-    if units and isinstance(units[0], Tensor):
-        apply_per_tensor(op, tensors, units, in_place=True)
-    else:
-        getattr(torch, f"_foreach_{op}_")(tensors, units)

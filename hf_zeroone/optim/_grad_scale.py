@@ -102,6 +102,15 @@ def factors(
     return out
 
 
+def norm_left(after: Tensor, handed: Tensor) -> Tensor:
+    """The norms clipping left over the norms handed on (float32 vectors or 0-dim): 1 where nothing was handed on.
+
+    A zero gradient (a tensor the loss does not reach) hands on a zero norm; clipping cut nothing
+    from it, and 0/0 would make its samples, and then its denominators, NaN.
+    """
+    return torch.where(handed > 0, after / torch.where(handed > 0, handed, 1.0), 1.0)
+
+
 def kept_fraction(ratio: Tensor) -> Tensor:
     """The fraction of a gradient's norm that clipping kept: exactly 1 unless it was cut.
 
@@ -325,6 +334,10 @@ class GradientScale:
                 device = both[0][0].device
                 local = torch.stack([samples[p][0].to(device) for p, _ in both])
                 ratio = local / torch.stack([averaged[p].to(device) for p, _ in both]).clamp(min=_TINY)
+                # no gradient anywhere (a tensor the loss does not reach): no excess, not 0, which
+                # would divide the samples of later steps into 0/0 (a local sample is never below
+                # the averaged one: the mean of squares bounds the square of the mean)
+                ratio = torch.where(local > 0, ratio, torch.ones_like(ratio))
                 zero = torch.zeros((), dtype=torch.float32, device=device)
                 r = torch.stack([st.get(_R, zero) for _, st in both])
                 decay = beta2**gap
@@ -339,6 +352,5 @@ class GradientScale:
         if p in kept_fractions:
             return kept_fractions[p]
         if handed is not None:  # clipped after the hook handed it on
-            norm = torch.linalg.vector_norm(value, dtype=torch.float32)
-            return kept_fraction(norm / torch.where(handed > 0, handed, 1.0))
+            return kept_fraction(norm_left(torch.linalg.vector_norm(value, dtype=torch.float32), handed))
         return None

@@ -45,7 +45,7 @@ from torch import Tensor
 from hf_zeroone._tensors import apply_per_tensor, float32_norms
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _grad_scale, _local_phase, _masks
-from hf_zeroone.optim._grad_scale import kept_fraction
+from hf_zeroone.optim._grad_scale import kept_fraction, norm_left
 from hf_zeroone.optim._step_kind import StepKind
 
 __all__ = ["Messages"]
@@ -341,7 +341,7 @@ class Messages:
             index.append(i)
             factors.append(factor.to(value.dtype))
         if measured:  # the norms clipping left over the norms handed on, as one vector for all tensors
-            clipped = float32_norms([values[i] for i in measured]) / torch.stack(handed).to(torch.float32)
+            clipped = norm_left(float32_norms([values[i] for i in measured]), torch.stack(handed).to(torch.float32))
             chosen = [params[i] for i in measured]
             for p, kept in zip(chosen, kept_fraction(clipped).unbind()):
                 self.opt.grad_scale.note_kept(p, kept)

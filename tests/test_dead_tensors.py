@@ -1,0 +1,91 @@
+"""A tensor the loss does not reach (zero gradient) or barely reaches (a gradient whose square
+underflows float32) must not stop or poison training.
+
+Before the fix, on 2 ranks: 1-bit Adam's first 1-bit step divided such a tensor's zero handed-on
+norm by itself (0/0), its ``follow_gradient_scale`` factor became NaN and then its parameters;
+0/1 Adam's noise excess ``rho`` was 0 and its samples 0/0; with a gradient of 1e-22 every 1-bit
+step was skipped as non-finite, forever (the skip keeps the state that produced the NaN).
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from _dist import run_ranks
+
+STEPS = 60
+
+
+def _train(rank, world_size, name, path, with_idle):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone import OneBitAdam, ZeroOneAdam
+    from hf_zeroone.ddp_hook import register_zeroone_hook
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(16, 4)
+            if with_idle:
+                self.dead = torch.nn.Parameter(torch.randn(8, 8))  # reached with a factor 0: gradient 0
+                self.faint = torch.nn.Parameter(torch.randn(40))  # gradient 1e-22: its square is 0 in float32
+
+        def forward(self, x):
+            out = self.lin(x)
+            if with_idle:
+                out = out + 0.0 * self.dead.sum() + 1e-22 * self.faint.sum()
+            return out
+
+    model = Model()
+    if name == "onebit":
+        make = lambda ps: OneBitAdam(ps, lr=5e-2, freeze_step=6)  # noqa: E731
+    else:
+        make = lambda ps: ZeroOneAdam(ps, lr=5e-2, var_freeze_step=6, exact_warmup_steps=2)  # noqa: E731
+    if path == "hook":
+        trained = DDP(model)
+        opt = make(list(model.parameters()))
+        register_zeroone_hook(trained, opt)
+    else:
+        trained, opt = model, make(list(model.parameters()))
+    gen = torch.Generator().manual_seed(1 + rank)
+    target = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(STEPS):
+            x = torch.randn(32, 16, generator=gen)
+            loss = (trained(x) - x @ target).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    non_finite = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return {"losses": losses, "non_finite": non_finite, "steps": opt.schedule["step"], "finite": finite}
+
+
+@pytest.mark.filterwarnings("ignore:.*communicates in step\\(\\) because no hf_zeroone DDP hook")
+@pytest.mark.parametrize("path", ["step", "hook"])
+@pytest.mark.parametrize("name", ["onebit", "zeroone"])
+def test_tensors_without_gradient_neither_poison_nor_stall_training(name, path):
+    idle = run_ranks(_train, 2, name, path, True)
+    plain = run_ranks(_train, 2, name, path, False)
+    for rank in idle:
+        assert rank["finite"], f"{name} ({path}): a parameter became non-finite"
+        assert not rank["non_finite"], rank["non_finite"][:2]
+        assert rank["steps"] == STEPS, f"{name} ({path}): {STEPS - rank['steps']} steps skipped"
+    # the live layer trains as it does without the idle tensors beside it
+    late = lambda r: sum(r["losses"][-10:]) / 10  # noqa: E731
+    assert late(idle[0]) < 0.5 * idle[0]["losses"][0], idle[0]["losses"]
+    assert late(idle[0]) == pytest.approx(late(plain[0]), rel=0.25), (late(idle[0]), late(plain[0]))
+
+
+def test_the_fraction_clipping_left_of_a_zero_norm_is_one():
+    from hf_zeroone.optim._grad_scale import norm_left
+
+    after = torch.tensor([0.0, 0.5, 3.0])
+    handed = torch.tensor([0.0, 1.0, 3.0])
+    assert norm_left(after, handed).tolist() == [1.0, 0.5, 1.0]

@@ -219,18 +219,21 @@ class _Collectives:
 class _LoopbackCollectives:
     """Collectives of one process standing in for ``world_size`` ranks that all hold the same input.
 
-    Rank ``rank`` receives its own send buffer's row ``rank`` from every "peer". Used to run and
-    time the whole compressed-allreduce arithmetic in one process (``recipes/bench_kernels.py``,
-    the single-GPU stream tests): results are deterministic, not meaningful averages.
+    Every "peer" sends what this process sends: a sum is ``world_size`` times the input (so a mean
+    is the input), and rank ``rank`` receives its own send buffer's row ``rank`` from every peer.
+    A gather cannot be right: each peer would send the result of its own share of the work, which
+    this process never computes, so every slot gets this rank's. Compressed results are therefore
+    not those of a real run. Used to run and time the whole arithmetic in one process
+    (``recipes/bench_kernels.py``, ``recipes/bench_step.py --loopback``, the single-GPU tests).
     """
 
     backend = "loopback"
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
 
     def all_reduce_sum(self, t: Tensor) -> None:
-        pass
+        t.mul_(self.world_size)
 
     def all_to_all(self, out: Tensor, inp: Tensor) -> None:
         out.copy_(inp[self.rank].expand_as(out))

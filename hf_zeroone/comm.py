@@ -187,7 +187,7 @@ class Communicator:
         comm = cls.__new__(cls)
         comm.stats, comm._closed = CommStats(), False
         comm.world_size, comm.rank = world_size, rank
-        comm._coll = _LoopbackCollectives(rank)
+        comm._coll = _LoopbackCollectives(rank, world_size)
         comm._executor = _SerialExecutor(f"hf_zeroone-loopback-rank{rank}") if threaded else None
         if comm._executor is not None:
             _stop_worker_when_collected(comm, comm._executor)

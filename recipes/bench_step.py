@@ -1,15 +1,22 @@
 #!/usr/bin/env python
 """The optimizer step alone, against ``torch.optim.AdamW(foreach=True)``, in every phase of both optimizers.
 
-One process, so nothing is communicated: what is timed is the optimizer's own arithmetic (the
-message maths, clipping to the variance, implied gradients, the update) on a model with many
-tensors, where per-tensor Python loops and kernel launches show. Each phase is timed on its own
-optimizer, set up so that every timed step is of that kind::
+One process, on a model with many tensors, where per-tensor Python loops and kernel launches show.
+Each phase is timed on its own optimizer, set up so that every timed step is of that kind::
 
     python recipes/bench_step.py                       # CPU, a 24-layer BERT of width 64 (400+ tensors)
     python recipes/bench_step.py --device cuda --fused # on a GPU, also against AdamW(fused=True)
+    python recipes/bench_step.py --loopback 2          # with the message maths of 2 simulated ranks
     python recipes/bench_step.py --profile             # where each phase's launches come from (step_sites.py)
     torchrun --standalone --nproc_per_node 2 recipes/bench_step.py --profile  # the same, step() communicating
+
+Alone in its process an optimizer communicates nothing, and its step is the local arithmetic only
+(clipping to the variance, the update). ``--loopback P`` gives each optimizer a communicator that
+stands in for P ranks sending what this one sends (``Communicator._loopback``): the step then runs
+the whole compressed exchange, the message maths, the compression arithmetic on the worker thread
+and its stream, the implied gradients, with local copies in place of the network (the values are
+not a real run's: see ``_LoopbackCollectives``). Profiling runs that arithmetic on the calling
+thread, so that every line of it is counted.
 
 Prints a markdown table (median milliseconds per step, the ratio to AdamW, and the range of that
 ratio over the rounds). Machines are shared and noisy: the ratios inside one run are the figure,
@@ -27,6 +34,7 @@ import warnings
 import torch
 
 from hf_zeroone import OneBitAdam, ZeroOneAdam
+from hf_zeroone.comm import Communicator
 
 #: phase -> (optimizer class, constructor keywords, steps taken before timing starts); each phase's
 #: timed steps are all of that kind
@@ -61,22 +69,25 @@ def build_model(layers: int, width: int) -> torch.nn.Module:
 def time_steps(opt: torch.optim.Optimizer, params: list[torch.Tensor], before: int, timed: int) -> list[float]:
     """Seconds of ``timed`` steps after ``before`` untimed ones; fresh random gradients each step.
 
-    Raises if the timed steps of a hf_zeroone optimizer are not all of one kind.
+    Raises if the timed steps of a hf_zeroone optimizer are not all of one kind, or one was skipped.
     """
     gen = torch.Generator(device=params[0].device).manual_seed(1)
     grads = [torch.randn(p.shape, generator=gen, device=p.device) * 1e-3 for p in params]
     out, kinds = [], set()
+    count = (lambda: opt.schedule["step"]) if hasattr(opt, "schedule") else (lambda: 0)
     for i in range(before + timed):
         for p, g in zip(params, grads):
             p.grad = g.mul(1.0 + 0.01 * (i % 7))
         if params[0].is_cuda:
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, applied = time.perf_counter(), count()
         opt.step()
         if params[0].is_cuda:
             torch.cuda.synchronize()
         if i >= before:
             out.append(time.perf_counter() - start)
+            if hasattr(opt, "schedule") and count() != applied + 1:
+                raise RuntimeError(f"{type(opt).__name__}: a timed step was skipped (non-finite): it times less work")
             kinds.add(getattr(opt, "last_step_kind", None))
     if len(kinds) != 1:
         raise RuntimeError(f"{type(opt).__name__}: the timed steps mix kinds {kinds}; adjust PHASES")
@@ -93,14 +104,22 @@ def main() -> None:
     parser.add_argument("--fused", action="store_true", help="also time AdamW(fused=True) (CUDA)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
     parser.add_argument(
+        "--loopback", type=int, default=0, metavar="P",
+        help="run the compressed exchange of P simulated ranks in this process (0: communicate nothing)",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile", action="store_true", help="instead of timing, count each phase's launches per source line"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.loopback == 1 or args.loopback < 0:
+        raise SystemExit(f"--loopback {args.loopback}: give 2 or more simulated ranks, or 0 for none")
+    if args.loopback:
+        warnings.filterwarnings("ignore", message=".*communicates in step.. because no hf_zeroone DDP hook ran")
     if distributed:  # under torchrun: step() communicates over gloo (one bucket message at a time, no DDP)
-        if not args.profile:
-            raise SystemExit("under torchrun only --profile runs (timings are taken in one process)")
+        if not args.profile or args.loopback:
+            raise SystemExit("under torchrun only --profile runs, without --loopback (timings take one process)")
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
@@ -109,13 +128,16 @@ def main() -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     ranks = f", {int(os.environ['WORLD_SIZE'])} ranks (step() communicating)" if distributed else ""
+    if args.loopback:
+        ranks = f", {args.loopback} simulated ranks (loopback: the message maths, no network)"
     if not distributed or int(os.environ.get("RANK", "0")) == 0:
         print(f"{len(params)} tensors, {numel:,} parameters, device {args.device}, {args.threads} thread(s){ranks}\n")
     baselines = {"AdamW(foreach=True)": lambda: torch.optim.AdamW(params, lr=1e-3, foreach=True)}
     if args.fused:
         baselines["AdamW(fused=True)"] = lambda: torch.optim.AdamW(params, lr=1e-3, fused=True)
     if args.profile:
-        profile({} if distributed else baselines, params, args.device)  # AdamW sends nothing here: left out
+        sending = distributed or args.loopback  # AdamW sends nothing: left out where the others communicate
+        profile({} if sending else baselines, params, args.device, args.loopback)
         if distributed:
             dist.destroy_process_group()
         return
@@ -125,20 +147,28 @@ def main() -> None:
         for name, make in baselines.items():
             timings[name] = time_steps(make(), params, 2, args.steps)
         for name, (cls, kw, before) in PHASES.items():
-            opt = cls(params, lr=1e-3, **kw)
-            timings[name] = time_steps(opt, params, before, args.steps)
+            comm = communicator(args.loopback, threaded=True)
+            timings[name] = time_steps(cls(params, lr=1e-3, communicator=comm, **kw), params, before, args.steps)
+            if comm is not None:
+                comm.close()
         rounds.append(timings)
     print(table(rounds))
 
 
-def profile(baselines: dict, params: list[torch.Tensor], device: str) -> None:
+def communicator(loopback: int, threaded: bool) -> Communicator | None:
+    """``loopback`` simulated ranks in this process, or None: the optimizer's own choice (none here)."""
+    return Communicator._loopback(loopback, threaded=threaded) if loopback else None
+
+
+def profile(baselines: dict, params: list[torch.Tensor], device: str, loopback: int = 0) -> None:
     """One step of each phase under the profiler (``step_sites``): launches, syncs and host time per source line."""
     from step_sites import profile_step, sites_table
 
     cuda = torch.device(device).type == "cuda"
     entries = [(name, make, 2) for name, make in baselines.items()]
     entries += [
-        (name, lambda c=cls, k=kw: c(params, lr=1e-3, **k), before) for name, (cls, kw, before) in PHASES.items()
+        (name, lambda c=cls, k=kw: c(params, lr=1e-3, communicator=communicator(loopback, threaded=False), **k), before)
+        for name, (cls, kw, before) in PHASES.items()
     ]
     for name, make, before in entries:
         opt = make()

@@ -77,3 +77,25 @@ def test_profile_under_torchrun_counts_each_phase_with_step_communicating(tmp_pa
     assert len(headers) == len(names), headers
     assert all(h == n or h.startswith(f"{n} (") for h, n in zip(headers, names)), headers
     assert "communicates in step()" not in proc.stderr  # the recipe's own choice, not the user's mistake
+
+
+def test_loopback_runs_the_message_maths_that_one_process_leaves_out(tmp_path):
+    """Alone, a step sends nothing; ``--loopback 2`` runs the compressed exchange (the 1-bit allreduce's lines)."""
+    base = [sys.executable, str(RECIPES / "bench_step.py"), "--layers", "1", "--width", "16", "--profile"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    outputs = {}
+    for extra in ([], ["--loopback", "2"]):
+        proc = subprocess.run(base + extra, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        outputs[bool(extra)] = proc.stdout
+    assert "2 simulated ranks (loopback" in outputs[True]
+    momentum = {k: out.split("### 1-bit Adam: 1-bit momentum")[1].split("###")[0] for k, out in outputs.items()}
+    assert "compression.py:" in momentum[True] and "compression.py:" not in momentum[False]
+    calls = {k: int(m.split("| all ")[1].split("|")[1]) for k, m in momentum.items()}
+    assert calls[True] > calls[False], calls
+    timed = subprocess.run(
+        [*base[:-1], "--steps", "2", "--rounds", "1", "--loopback", "2"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert timed.returncode == 0, timed.stdout[-3000:] + timed.stderr[-3000:]
+    assert "| 0/1 Adam: sync |" in timed.stdout

@@ -392,3 +392,12 @@ def test_the_compressed_result_is_written_into_the_messages_memory():
         total[c : 2 * c] += se
         assert torch.allclose(total[c : 2 * c], x[c : 2 * c], atol=1e-5)
     comm.close()
+
+
+def test_a_loopback_mean_is_the_input_every_simulated_rank_sends():
+    """``Communicator._loopback(P)``: P ranks that send what this one sends average to it (was 1/P of it)."""
+    for world in (2, 4):
+        comm = Communicator._loopback(world, threaded=False)
+        t = torch.tensor([1.0, -3.0, 0.25])
+        assert torch.equal(comm.allreduce_mean(t.clone()), t)
+        comm.close()

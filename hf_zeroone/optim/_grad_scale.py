@@ -334,10 +334,12 @@ class GradientScale:
                 device = both[0][0].device
                 local = torch.stack([samples[p][0].to(device) for p, _ in both])
                 ratio = local / torch.stack([averaged[p].to(device) for p, _ in both]).clamp(min=_TINY)
-                # no gradient anywhere (a tensor the loss does not reach): no excess, not 0, which
-                # would divide the samples of later steps into 0/0 (a local sample is never below
-                # the averaged one: the mean of squares bounds the square of the mean)
-                ratio = torch.where(local > 0, ratio, torch.ones_like(ratio))
+                # no measurement, no excess (1): where there is no gradient anywhere (a tensor the
+                # loss does not reach; 0 would divide later samples into 0/0, and a local sample is
+                # never below the averaged one: the mean of squares bounds the square of the mean),
+                # and where both samples overflowed (inf / inf: gradients above ~1e11 measured
+                # against the first step's v = 0), since one NaN would stay in rho's average forever
+                ratio = torch.where((local > 0) & torch.isfinite(ratio), ratio, torch.ones_like(ratio))
                 zero = torch.zeros((), dtype=torch.float32, device=device)
                 r = torch.stack([st.get(_R, zero) for _, st in both])
                 decay = beta2**gap

@@ -1,10 +1,14 @@
-"""A tensor the loss does not reach (zero gradient) or barely reaches (a gradient whose square
-underflows float32) must not stop or poison training.
+"""Gradients AdamW trains with must not stop or poison training: a tensor the loss does not reach
+(zero gradient), one it barely reaches (a gradient whose square underflows float32), and
+gradients of 1e12 (Adam is scale-invariant).
 
-Before the fix, on 2 ranks: 1-bit Adam's first 1-bit step divided such a tensor's zero handed-on
-norm by itself (0/0), its ``follow_gradient_scale`` factor became NaN and then its parameters;
-0/1 Adam's noise excess ``rho`` was 0 and its samples 0/0; with a gradient of 1e-22 every 1-bit
-step was skipped as non-finite, forever (the skip keeps the state that produced the NaN).
+Before the fixes, on 2 ranks with the defaults: 1-bit Adam's first 1-bit step divided a zero
+tensor's zero handed-on norm by itself (0/0), its ``follow_gradient_scale`` factor became NaN and
+then its parameters; 0/1 Adam's noise excess ``rho`` was 0 and its samples 0/0; with a gradient
+of 1e-22 every 1-bit step was skipped as non-finite, forever (the skip keeps the state that
+produced the NaN). Gradients of 1e12, measured against the first step's ``v = 0``, overflowed
+both samples of ``rho`` (inf / inf): ``rho`` stayed NaN, 1-bit Adam skipped every step after the
+freeze and 0/1 Adam raised on its first local step.
 """
 
 import warnings
@@ -17,7 +21,7 @@ from _dist import run_ranks
 STEPS = 60
 
 
-def _train(rank, world_size, name, path, with_idle):
+def _train(rank, world_size, name, path, with_idle, scale=1.0):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -34,7 +38,7 @@ def _train(rank, world_size, name, path, with_idle):
                 self.faint = torch.nn.Parameter(torch.randn(40))  # gradient 1e-22: its square is 0 in float32
 
         def forward(self, x):
-            out = self.lin(x)
+            out = self.lin(x) * scale
             if with_idle:
                 out = out + 0.0 * self.dead.sum() + 1e-22 * self.faint.sum()
             return out
@@ -57,7 +61,7 @@ def _train(rank, world_size, name, path, with_idle):
         warnings.simplefilter("always")
         for _ in range(STEPS):
             x = torch.randn(32, 16, generator=gen)
-            loss = (trained(x) - x @ target).pow(2).mean()
+            loss = (trained(x) - scale * (x @ target)).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -81,6 +85,20 @@ def test_tensors_without_gradient_neither_poison_nor_stall_training(name, path):
     late = lambda r: sum(r["losses"][-10:]) / 10  # noqa: E731
     assert late(idle[0]) < 0.5 * idle[0]["losses"][0], idle[0]["losses"]
     assert late(idle[0]) == pytest.approx(late(plain[0]), rel=0.25), (late(idle[0]), late(plain[0]))
+
+
+@pytest.mark.filterwarnings("ignore:.*communicates in step\\(\\) because no hf_zeroone DDP hook")
+@pytest.mark.parametrize("name", ["onebit", "zeroone"])
+def test_gradients_of_1e12_train_as_ones_of_1(name):
+    """Adam's steps do not depend on the gradients' scale: neither may the defaults' (was: rho NaN, stalled)."""
+    large = run_ranks(_train, 2, name, "step", False, 1e6)  # gradients about 1e12 at the start
+    plain = run_ranks(_train, 2, name, "step", False)
+    for rank in large:
+        assert rank["finite"] and not rank["non_finite"], rank["non_finite"][:2]
+        assert rank["steps"] == STEPS, f"{name}: {STEPS - rank['steps']} steps skipped"
+    late_large = sum(large[0]["losses"][-10:]) / 10 / 1e12  # the loss scales as the square
+    late_plain = sum(plain[0]["losses"][-10:]) / 10
+    assert late_large == pytest.approx(late_plain, rel=0.25), (late_large, late_plain)
 
 
 def test_the_fraction_clipping_left_of_a_zero_norm_is_one():

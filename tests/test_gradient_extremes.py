@@ -107,3 +107,53 @@ def test_the_fraction_clipping_left_of_a_zero_norm_is_one():
     after = torch.tensor([0.0, 0.5, 3.0])
     handed = torch.tensor([0.0, 1.0, 3.0])
     assert norm_left(after, handed).tolist() == [1.0, 0.5, 1.0]
+
+
+def _late_layer(rank, world_size, name, start):
+    import torch
+
+    from hf_zeroone import OneBitAdam, ZeroOneAdam
+
+    torch.manual_seed(0)
+    first, late = torch.nn.Linear(16, 4), torch.nn.Linear(4, 4)
+    torch.nn.init.eye_(late.weight)
+    torch.nn.init.zeros_(late.bias)
+    params = [*first.parameters(), *late.parameters()]
+    if name == "adamw":
+        opt = torch.optim.AdamW(params, lr=2e-2)
+    elif name == "onebit":
+        opt = OneBitAdam(params, lr=2e-2, freeze_step=6)
+    else:
+        opt = ZeroOneAdam(params, lr=2e-2, var_freeze_step=6, exact_warmup_steps=2)
+    gen = torch.Generator().manual_seed(1 + rank)
+    target = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
+    losses = []
+    for i in range(80):
+        x = torch.randn(32, 16, generator=gen)
+        out = first(x)
+        if i >= start:  # switched on after the freeze: no gradient, so v = 0, until then
+            out = late(out)
+        loss = (out - x @ target).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"late": sum(losses[-10:]) / 10, "moved": float((late.weight - torch.eye(4)).abs().max())}
+
+
+@pytest.mark.filterwarnings("ignore:.*communicates in step\\(\\) because no hf_zeroone DDP hook")
+@pytest.mark.parametrize("name", ["onebit", "zeroone"])
+def test_a_layer_switched_on_after_the_freeze_trains(name):
+    """A tensor with no gradient before the freeze (``v = 0``: a layer switched on later, an unfrozen backbone).
+
+    Before the fix its first sample was measured against ``d = eps``: ``(g / eps)^2`` raised its
+    ``follow_gradient_scale`` factor to about 1e15, and the layer never moved (the run's loss was
+    that of a run without it: 1-bit Adam 2.62, 0/1 Adam 2.26, against AdamW's 0.116).
+    """
+    ours = run_ranks(_late_layer, 2, name, 20)[0]
+    never = run_ranks(_late_layer, 2, name, 10**6)[0]  # the layer stays the identity
+    assert ours["moved"] > 0.3, ours  # was 0.0: not one step
+    assert ours["late"] < 0.9 * never["late"], (ours, never)  # was equal: 0.16 (1-bit), 0.78 (0/1) of it now
+    if name == "onebit":  # 0/1 Adam's local steps (gaps up to 16 in 80 steps) end this toy higher either way
+        adamw = run_ranks(_late_layer, 2, "adamw", 20)[0]
+        assert ours["late"] < 3 * adamw["late"], (ours, adamw)  # 0.164 against 0.116

@@ -311,9 +311,14 @@ class OptimizerBooks(Optimizer):
         """``sqrt(v / c2) + eps`` of ``params`` (one group's) and their statistics, reused while ``v`` stands.
 
         Without ``follow_gradient_scale``'s factor: what the update-unit weights and the scale
-        samples measure against (:mod:`._variance_views`).
+        samples measure against (:mod:`._variance_views`). Once ``v`` has had an update, an element
+        whose ``v`` is still zero takes no part in the samples (:func:`._grad_scale.idle_floors`);
+        before, every ``v`` is zero, and the first exact step's two samples for ``rho`` measure
+        against ``eps`` alike: their ratio does not depend on it.
         """
-        return self.variance_views.statistics(params, [self.state[p]["exp_avg_sq"] for p in params], c2, group["eps"])
+        idle_eps = group["eps"] if self.schedule["variance_updates"] > 0 else 0.0
+        v = [self.state[p]["exp_avg_sq"] for p in params]
+        return self.variance_views.statistics(params, v, c2, group["eps"], idle_eps)
 
     def variance_steps(self) -> int:
         """The steps the variance stands for: its updates, each counted for the steps since the one before.

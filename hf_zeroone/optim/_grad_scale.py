@@ -53,6 +53,7 @@ Until the freeze (and whenever the option is off) the factor is not applied at a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,25 +121,48 @@ def kept_fraction(ratio: Tensor) -> Tensor:
     return torch.where(ratio > 1.0 - 1e-5, torch.ones_like(ratio), ratio)
 
 
-def sample_statistics(dens: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+def idle_floors(means: Tensor, eps: float = 0.0) -> Tensor:
+    """The smallest ``d`` of an active element, per tensor: :data:`IDLE_BELOW` of its mean, and above ``eps``.
+
+    ``d = sqrt(v / c2) + eps`` is ``eps`` itself where ``v`` is zero: an element with no variance
+    estimate expects no gradient, so measured against it any gradient counts as infinitely large.
+    A tensor whose ``v`` is zero everywhere (no gradient before the freeze: a layer switched on
+    later, an unfrozen backbone) would otherwise count all its elements active, and its first
+    gradient would count as ``(g / eps)^2``: a factor of 1e15 on ``v``, which would have held its
+    steps near zero for tens of thousands of steps.
+    """
+    floors = means * IDLE_BELOW
+    if eps > 0.0:  # the next float32 above eps: d == eps is idle
+        above = torch.nextafter(torch.tensor(eps, dtype=torch.float32), torch.tensor(math.inf)).item()
+        floors = floors.clamp(min=above)
+    return floors
+
+
+def sample_statistics(dens: Sequence[Tensor], eps: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """Per tensor: the mean of its denominators ``d``, the count of its active elements, whether any is idle.
 
-    An element is active when its ``d`` is at least :data:`IDLE_BELOW` of its tensor's mean (see
-    :func:`scale_samples`). Returns float32 means, float32 counts (at least 1) and a boolean
-    vector (compared on the exact integer counts), all on the device: nothing is read on the
-    host. They stay while ``v`` does (:class:`._variance_views.VarianceViews` keeps them).
+    An element is active when its ``d`` is at least :data:`IDLE_BELOW` of its tensor's mean, and
+    above ``eps`` (:func:`idle_floors`; see :func:`scale_samples`). Returns float32 means, float32
+    counts (at least 1) and a boolean vector (compared on the exact integer counts), all on the
+    device: nothing is read on the host. They stay while ``v`` does
+    (:class:`._variance_views.VarianceViews` keeps them).
     """
     dens = list(dens)
     numels = torch.tensor([d.numel() for d in dens], device=dens[0].device)
     # one division for all tensors, as each alone (a count converts to float32 as a Python int would)
     means = torch.stack(torch._foreach_norm(dens, 1)) / numels.clamp(min=1).to(torch.float32)
-    counts = torch.stack([d.ge(floor).sum() for d, floor in zip(dens, (means * IDLE_BELOW).unbind())])
+    counts = torch.stack([d.ge(floor).sum() for d, floor in zip(dens, idle_floors(means, eps).unbind())])
     idle = counts < numels
     return means, counts.to(torch.float32).clamp_(min=1.0), idle
 
 
 def scale_samples(
-    grads: Sequence[Tensor], dens: Sequence[Tensor], means: Tensor, counts: Tensor, idle: Sequence[bool] | None
+    grads: Sequence[Tensor],
+    dens: Sequence[Tensor],
+    means: Tensor,
+    counts: Tensor,
+    idle: Sequence[bool] | None,
+    eps: float = 0.0,
 ) -> Tensor:
     """``q``: each gradient's mean square once normalised by the variance, as one float32 vector.
 
@@ -153,7 +177,7 @@ def scale_samples(
     grads, dens = F.as_dtype(grads, torch.float32), list(dens)
     if not dens or not stacks_by_shape(dens[0].device):  # the CPU: one masked fill per tensor
         ratios = list(torch._foreach_div(grads, dens))
-        for i, (r, d, floor) in enumerate(zip(ratios, dens, (means * IDLE_BELOW).unbind())):
+        for i, (r, d, floor) in enumerate(zip(ratios, dens, idle_floors(means, eps).unbind())):
             if idle is None or idle[i]:
                 r.masked_fill_(d < floor, 0.0)
         return torch.stack(torch._foreach_norm(ratios)).square_().div_(counts)
@@ -164,7 +188,7 @@ def scale_samples(
         quotients = torch._foreach_div([grads[i] for i in unmasked], [dens[i] for i in unmasked])
         for i, r in zip(unmasked, quotients):
             ratios[i] = r
-    floors = (means * IDLE_BELOW).unbind()
+    floors = idle_floors(means, eps).unbind()
     for group in shape_groups(dens, masked):  # one call per shape, not per tensor (see shape_groups)
         stacked_dens = torch.stack([dens[i] for i in group])
         stacked = torch.stack([grads[i] for i in group]).div_(stacked_dens)

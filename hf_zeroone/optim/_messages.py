@@ -167,7 +167,7 @@ class Messages:
         out: dict[int, Tensor] = {}
         for group, ps, gs in opt.grouped(params, grads):
             dens, stats = opt.plain_denominators(group, ps, opt._variance_correction(group))
-            values = _grad_scale.scale_samples(gs, dens, stats.means, stats.counts, stats.idle)
+            values = _grad_scale.scale_samples(gs, dens, stats.means, stats.counts, stats.idle, stats.idle_eps)
             out.update(zip(map(id, ps), values.unbind()))
         return torch.stack([out[id(p)] for p in params])
 

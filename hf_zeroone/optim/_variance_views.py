@@ -51,8 +51,10 @@ class SampleStatistics:
     then every tensor is masked. No hook reads the host.
     """
 
-    def __init__(self, means: Tensor, counts: Tensor, idle: list[bool] | None) -> None:
+    def __init__(self, means: Tensor, counts: Tensor, idle: list[bool] | None, idle_eps: float = 0.0) -> None:
         self.means, self.counts, self.idle = means, counts, idle
+        #: the ``eps`` at or below which an element's ``d`` is idle (:func:`._grad_scale.idle_floors`)
+        self.idle_eps = idle_eps
 
 
 class VarianceViews:
@@ -89,22 +91,25 @@ class VarianceViews:
         return [self._dens[id(p)][1] for p in params]
 
     def statistics(
-        self, params: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float
+        self, params: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float, idle_eps: float = 0.0
     ) -> tuple[list[Tensor], SampleStatistics]:
-        """The denominators and their :class:`SampleStatistics`, for one parameter group's tensors in order."""
+        """The denominators and their :class:`SampleStatistics`, for one parameter group's tensors in order.
+
+        ``idle_eps``: elements whose ``d`` is not above it are idle (0: only the rule of the mean).
+        """
         dens = self.denominators(params, exp_avg_sqs, c2, eps)
-        keys = [self._key(v, c2, eps) for v in exp_avg_sqs]
+        keys = [(*self._key(v, c2, eps), idle_eps) for v in exp_avg_sqs]
         entries = [self._valid(self._stats, p, key) for p, key in zip(params, keys)]
         if any(e is None for e in entries):
-            means, counts, idle = sample_statistics(dens)
+            means, counts, idle = sample_statistics(dens, idle_eps)
             for p, key, mean, count, flag in zip(params, keys, means.unbind(), counts.unbind(), idle.unbind()):
                 if key[1] is not None:
                     self._stats[id(p)] = [key, mean, count, flag, None]
-            return dens, SampleStatistics(means, counts, None)
+            return dens, SampleStatistics(means, counts, None, idle_eps)
         means = torch.stack([e[1] for e in entries])
         counts = torch.stack([e[2] for e in entries])
         read = [e[4] for e in entries]
-        return dens, SampleStatistics(means, counts, None if any(f is None for f in read) else read)
+        return dens, SampleStatistics(means, counts, None if any(f is None for f in read) else read, idle_eps)
 
     def settle(self) -> None:
         """At the end of a step: read on the host which tensors have idle elements, for the statistics still valid.

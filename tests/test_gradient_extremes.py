@@ -109,7 +109,7 @@ def test_the_fraction_clipping_left_of_a_zero_norm_is_one():
     assert norm_left(after, handed).tolist() == [1.0, 0.5, 1.0]
 
 
-def _late_layer(rank, world_size, name, start):
+def _late_layer(rank, world_size, name, start, unfreeze=False):
     import torch
 
     from hf_zeroone import OneBitAdam, ZeroOneAdam
@@ -118,6 +118,7 @@ def _late_layer(rank, world_size, name, start):
     first, late = torch.nn.Linear(16, 4), torch.nn.Linear(4, 4)
     torch.nn.init.eye_(late.weight)
     torch.nn.init.zeros_(late.bias)
+    late.requires_grad_(not unfreeze)  # unfreeze: in the model all along, trainable from `start` on
     params = [*first.parameters(), *late.parameters()]
     if name == "adamw":
         opt = torch.optim.AdamW(params, lr=2e-2)
@@ -131,7 +132,10 @@ def _late_layer(rank, world_size, name, start):
     for i in range(80):
         x = torch.randn(32, 16, generator=gen)
         out = first(x)
-        if i >= start:  # switched on after the freeze: no gradient, so v = 0, until then
+        if unfreeze:
+            late.requires_grad_(i >= start)
+            out = late(out)
+        elif i >= start:  # switched on after the freeze: no gradient, so v = 0, until then
             out = late(out)
         loss = (out - x @ target).pow(2).mean()
         opt.zero_grad()
@@ -157,3 +161,19 @@ def test_a_layer_switched_on_after_the_freeze_trains(name):
     if name == "onebit":  # 0/1 Adam's local steps (gaps up to 16 in 80 steps) end this toy higher either way
         adamw = run_ranks(_late_layer, 2, "adamw", 20)[0]
         assert ours["late"] < 3 * adamw["late"], (ours, adamw)  # 0.164 against 0.116
+
+
+@pytest.mark.filterwarnings("ignore:.*communicates in step\\(\\) because no hf_zeroone DDP hook")
+@pytest.mark.parametrize("name", ["onebit", "zeroone"])
+def test_a_layer_unfrozen_after_the_freeze_trains(name):
+    """``requires_grad`` turned on at step 20 (a backbone unfrozen after the first epoch).
+
+    Before the fix 0/1 Adam raised ``KeyError: 'lr_sum'`` on its next local step (the layer had no
+    local-phase state); with that state and no mask, its ``v`` stayed 0 and the run diverged (loss
+    20 against 16.8 at the start). Such a parameter now joins as :func:`build_masks` would have
+    taken it at the freeze: masked, then released with the fallback variance by its first gradient.
+    """
+    ours = run_ranks(_late_layer, 2, name, 20, True)[0]
+    never = run_ranks(_late_layer, 2, name, 10**6, True)[0]  # frozen all along
+    assert ours["moved"] > 0.3, ours
+    assert ours["late"] < 0.9 * never["late"], (ours, never)

@@ -106,19 +106,29 @@ class CompressedAdamBase(OptimizerBooks):
             return kind
         if self.schedule["step"] == 0:
             self._warn_unset_schedule()
-        for _, p in self.trainable_params():
+        fresh = []
+        for group, p in self.trainable_params():
             state = self.state[p]
             if "exp_avg" not in state:
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                fresh.append((group, p))
         if (kind.compressed or kind is StepKind.LOCAL) and not self.schedule["masks_ready"]:
             _masks.build_masks(self.trainable_params(), lambda p: self.state[p], self.auto_momentum_mask)
             self.schedule["masks_ready"] = True
+            self.flat_cache.clear()
+        elif fresh and self.schedule["masks_ready"]:  # trainable since the masks were built (requires_grad
+            # turned on): masked as they would have been then (v = 0), released by their first gradient
+            _masks.build_masks(fresh, lambda p: self.state[p], self.auto_momentum_mask)
             self.flat_cache.clear()
         if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
             if not self.schedule.get("local_phase_started", True):
                 _local_phase.start_local_phase([p for _, p in self.trainable_params()], lambda p: self.state[p])
                 self.schedule["local_phase_started"] = True
+            else:  # a parameter that became trainable since (requires_grad turned on): it joins from here
+                joined = [p for _, p in self.trainable_params() if "sync_param" not in self.state[p]]
+                if joined:
+                    _local_phase.start_local_phase(joined, lambda p: self.state[p])
         elif "local_phase_started" in self.schedule:
             # Back before the local phase (e.g. var_freeze_step raised): its state is stale, and
             # entering the local phase again must start from the parameters of that moment.

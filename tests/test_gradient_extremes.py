@@ -109,7 +109,7 @@ def test_the_fraction_clipping_left_of_a_zero_norm_is_one():
     assert norm_left(after, handed).tolist() == [1.0, 0.5, 1.0]
 
 
-def _late_layer(rank, world_size, name, start, unfreeze=False):
+def _late_layer(rank, world_size, name, start, how="used"):
     import torch
 
     from hf_zeroone import OneBitAdam, ZeroOneAdam
@@ -118,8 +118,10 @@ def _late_layer(rank, world_size, name, start, unfreeze=False):
     first, late = torch.nn.Linear(16, 4), torch.nn.Linear(4, 4)
     torch.nn.init.eye_(late.weight)
     torch.nn.init.zeros_(late.bias)
-    late.requires_grad_(not unfreeze)  # unfreeze: in the model all along, trainable from `start` on
-    params = [*first.parameters(), *late.parameters()]
+    # "used" from `start` on; "unfrozen": in the model all along, trainable from `start` on;
+    # "added": in the model all along, given to the optimizer (add_param_group) at `start`
+    late.requires_grad_(how != "unfrozen")
+    params = [*first.parameters(), *late.parameters()] if how != "added" else [*first.parameters()]
     if name == "adamw":
         opt = torch.optim.AdamW(params, lr=2e-2)
     elif name == "onebit":
@@ -132,8 +134,11 @@ def _late_layer(rank, world_size, name, start, unfreeze=False):
     for i in range(80):
         x = torch.randn(32, 16, generator=gen)
         out = first(x)
-        if unfreeze:
+        if how == "unfrozen":
             late.requires_grad_(i >= start)
+        if how == "added" and i == start:
+            opt.add_param_group({"params": list(late.parameters())})
+        if how != "used":
             out = late(out)
         elif i >= start:  # switched on after the freeze: no gradient, so v = 0, until then
             out = late(out)
@@ -164,16 +169,17 @@ def test_a_layer_switched_on_after_the_freeze_trains(name):
 
 
 @pytest.mark.filterwarnings("ignore:.*communicates in step\\(\\) because no hf_zeroone DDP hook")
+@pytest.mark.parametrize("how", ["unfrozen", "added"])
 @pytest.mark.parametrize("name", ["onebit", "zeroone"])
-def test_a_layer_unfrozen_after_the_freeze_trains(name):
-    """``requires_grad`` turned on at step 20 (a backbone unfrozen after the first epoch).
+def test_a_layer_unfrozen_after_the_freeze_trains(name, how):
+    """``requires_grad`` turned on at step 20 (a backbone unfrozen after the first epoch), or ``add_param_group``.
 
     Before the fix 0/1 Adam raised ``KeyError: 'lr_sum'`` on its next local step (the layer had no
     local-phase state); with that state and no mask, its ``v`` stayed 0 and the run diverged (loss
     20 against 16.8 at the start). Such a parameter now joins as :func:`build_masks` would have
     taken it at the freeze: masked, then released with the fallback variance by its first gradient.
     """
-    ours = run_ranks(_late_layer, 2, name, 20, True)[0]
-    never = run_ranks(_late_layer, 2, name, 10**6, True)[0]  # frozen all along
+    ours = run_ranks(_late_layer, 2, name, 20, how)[0]
+    never = run_ranks(_late_layer, 2, name, 10**6, how)[0]  # frozen, or left out, all along
     assert ours["moved"] > 0.3, ours
     assert ours["late"] < 0.9 * never["late"], (ours, never)

@@ -57,6 +57,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -133,7 +134,7 @@ def idle_floors(means: Tensor, eps: float = 0.0) -> Tensor:
     """
     floors = means * IDLE_BELOW
     if eps > 0.0:  # the next float32 above eps: d == eps is idle
-        above = torch.nextafter(torch.tensor(eps, dtype=torch.float32), torch.tensor(math.inf)).item()
+        above = float(np.nextafter(np.float32(eps), np.float32(math.inf)))  # no tensor: no host read
         floors = floors.clamp(min=above)
     return floors
 

@@ -21,11 +21,20 @@ from _dist import run_ranks
 STEPS = 60
 
 
+def _optimizer(name, params, lr):
+    """AdamW, or ours with the defaults and an early freeze (step 6), so that most steps are compressed."""
+    from hf_zeroone import OneBitAdam, ZeroOneAdam
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "onebit":
+        return OneBitAdam(params, lr=lr, freeze_step=6)
+    return ZeroOneAdam(params, lr=lr, var_freeze_step=6, exact_warmup_steps=2)
+
+
 def _train(rank, world_size, name, path, with_idle, scale=1.0):
-    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hf_zeroone import OneBitAdam, ZeroOneAdam
     from hf_zeroone.ddp_hook import register_zeroone_hook
 
     class Model(torch.nn.Module):
@@ -44,16 +53,10 @@ def _train(rank, world_size, name, path, with_idle, scale=1.0):
             return out
 
     model = Model()
-    if name == "onebit":
-        make = lambda ps: OneBitAdam(ps, lr=5e-2, freeze_step=6)  # noqa: E731
-    else:
-        make = lambda ps: ZeroOneAdam(ps, lr=5e-2, var_freeze_step=6, exact_warmup_steps=2)  # noqa: E731
+    trained = DDP(model) if path == "hook" else model
+    opt = _optimizer(name, list(model.parameters()), 5e-2)
     if path == "hook":
-        trained = DDP(model)
-        opt = make(list(model.parameters()))
         register_zeroone_hook(trained, opt)
-    else:
-        trained, opt = model, make(list(model.parameters()))
     gen = torch.Generator().manual_seed(1 + rank)
     target = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
     losses = []
@@ -110,10 +113,6 @@ def test_the_fraction_clipping_left_of_a_zero_norm_is_one():
 
 
 def _late_layer(rank, world_size, name, start, how="used"):
-    import torch
-
-    from hf_zeroone import OneBitAdam, ZeroOneAdam
-
     torch.manual_seed(0)
     first, late = torch.nn.Linear(16, 4), torch.nn.Linear(4, 4)
     torch.nn.init.eye_(late.weight)
@@ -122,12 +121,7 @@ def _late_layer(rank, world_size, name, start, how="used"):
     # "added": in the model all along, given to the optimizer (add_param_group) at `start`
     late.requires_grad_(how != "unfrozen")
     params = [*first.parameters(), *late.parameters()] if how != "added" else [*first.parameters()]
-    if name == "adamw":
-        opt = torch.optim.AdamW(params, lr=2e-2)
-    elif name == "onebit":
-        opt = OneBitAdam(params, lr=2e-2, freeze_step=6)
-    else:
-        opt = ZeroOneAdam(params, lr=2e-2, var_freeze_step=6, exact_warmup_steps=2)
+    opt = _optimizer(name, params, 2e-2)
     gen = torch.Generator().manual_seed(1 + rank)
     target = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
     losses = []

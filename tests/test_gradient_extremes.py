@@ -91,15 +91,22 @@ def test_tensors_without_gradient_neither_poison_nor_stall_training(name, path):
 
 
 @pytest.mark.filterwarnings("ignore:.*communicates in step\\(\\) because no hf_zeroone DDP hook")
+@pytest.mark.parametrize("scale", [1e6, 3e9])
 @pytest.mark.parametrize("name", ["onebit", "zeroone"])
-def test_gradients_of_1e12_train_as_ones_of_1(name):
-    """Adam's steps do not depend on the gradients' scale: neither may the defaults' (was: rho NaN, stalled)."""
-    large = run_ranks(_train, 2, name, "step", False, 1e6)  # gradients about 1e12 at the start
+def test_large_gradients_train_as_ones_of_1(name, scale):
+    """Adam's steps do not depend on the gradients' scale: neither may the defaults'.
+
+    Gradients of about 1e12 (``scale`` 1e6): ``rho`` was NaN and the run stalled. Of up to 1.7e19
+    (3e9; AdamW's ``v = g^2`` just fits float32 there): the weight's float32 norm overflows, and
+    1-bit Adam skipped every step from its first 1-bit step on (the squared norms averaged for
+    clipping were inf, then an implied gradient's norm and the norm handed on: inf / inf).
+    """
+    large = run_ranks(_train, 2, name, "step", False, scale)
     plain = run_ranks(_train, 2, name, "step", False)
     for rank in large:
         assert rank["finite"] and not rank["non_finite"], rank["non_finite"][:2]
         assert rank["steps"] == STEPS, f"{name}: {STEPS - rank['steps']} steps skipped"
-    late_large = sum(large[0]["losses"][-10:]) / 10 / 1e12  # the loss scales as the square
+    late_large = sum(large[0]["losses"][-10:]) / 10 / scale**2  # the loss scales as the square
     late_plain = sum(plain[0]["losses"][-10:]) / 10
     assert late_large == pytest.approx(late_plain, rel=0.25), (late_large, late_plain)
 
@@ -110,6 +117,18 @@ def test_the_fraction_clipping_left_of_a_zero_norm_is_one():
     after = torch.tensor([0.0, 0.5, 3.0])
     handed = torch.tensor([0.0, 1.0, 3.0])
     assert norm_left(after, handed).tolist() == [1.0, 0.5, 1.0]
+    inf = float("inf")  # a float32 norm that overflowed, handed on and left as it was
+    assert norm_left(torch.tensor([inf, 0.0]), torch.tensor([inf, inf])).tolist() == [1.0, 0.0]
+
+
+def test_an_overflowed_mean_square_norm_leaves_the_implied_gradient_as_it_is():
+    from hf_zeroone.optim._functional import norm_proxy_factors
+
+    views = [torch.full((4,), 2.0), torch.full((4,), 2.0)]
+    (factor, handed), (factor_inf, handed_inf) = norm_proxy_factors(views, torch.tensor([64.0, float("inf")]))
+    assert (float(factor), float(handed)) == (2.0, 8.0)
+    assert (float(factor_inf), float(handed_inf)) == (1.0, 4.0)
+    assert views[1].tolist() == [2.0] * 4
 
 
 def _late_layer(rank, world_size, name, start, how="used"):

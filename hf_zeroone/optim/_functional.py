@@ -272,7 +272,7 @@ def norm_proxy_factors(views: Sequence[Tensor], mean_sq_norms: Tensor) -> list[t
         return []
     norms = float32_norms(views)
     mean_sq = mean_sq_norms.to(device=norms.device, dtype=torch.float32)
-    ok = (norms > 0) & (mean_sq > 0) & torch.isfinite(norms)
+    ok = (norms > 0) & (mean_sq > 0) & torch.isfinite(norms) & torch.isfinite(mean_sq)
     root = mean_sq.sqrt()
     factors = torch.where(ok, root / norms, torch.ones_like(norms))
     handed = torch.where(ok, root, norms)

@@ -108,9 +108,12 @@ def norm_left(after: Tensor, handed: Tensor) -> Tensor:
     """The norms clipping left over the norms handed on (float32 vectors or 0-dim): 1 where nothing was handed on.
 
     A zero gradient (a tensor the loss does not reach) hands on a zero norm; clipping cut nothing
-    from it, and 0/0 would make its samples, and then its denominators, NaN.
+    from it, and 0/0 would make its samples, and then its denominators, NaN. Equal norms give 1
+    too, infinite ones included: a float32 norm overflows once the sum of squares passes float32's
+    range (elements of about ``1e19 / sqrt(n)``, where Adam's own arithmetic still holds), and
+    inf/inf would be NaN. Finite equal norms divide to exactly 1 anyway.
     """
-    return torch.where(handed > 0, after / torch.where(handed > 0, handed, 1.0), 1.0)
+    return torch.where((handed > 0) & (after != handed), after / torch.where(handed > 0, handed, 1.0), 1.0)
 
 
 def kept_fraction(ratio: Tensor) -> Tensor:

@@ -58,6 +58,7 @@ def test_deepspeeds_one_bit_adam_tutorial_config_loads(tmp_path):
     opt, notes = _load(str(path))  # a JSON path works as the dict does
     assert isinstance(opt, OneBitAdam) and opt.freeze_step == 23000
     assert opt.param_groups[0]["lr"] == 4e-4 and opt.param_groups[0]["bias_correction"]
+    assert opt.param_groups[0]["weight_decay"] == 0.0  # left out: DeepSpeed's default, not AdamW's 1e-2
     text = "\n".join(notes)
     for name in ("cuda_aware", "comm_backend_name", "gradient_clipping", "bias_correction"):
         assert name in text, (name, notes)
@@ -224,3 +225,9 @@ def test_the_trainer_trains_with_a_deepspeed_configs_optimizer(tmp_path):
     path.write_text(json.dumps(config))
     res = run_ranks(_trainer_from_deepspeed, 2, str(tmp_path), str(path), timeout=200)
     assert res[0] == ("OneBitAdam", 3, 2e-3, True)
+
+
+def test_a_weight_decay_left_out_of_the_config_is_deepspeeds_unless_given():
+    config = {"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}}}
+    assert _load(config)[0].param_groups[0]["weight_decay"] == 0.0
+    assert _load(config, weight_decay=0.05)[0].param_groups[0]["weight_decay"] == 0.05

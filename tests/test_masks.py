@@ -12,8 +12,8 @@ def _optimizer(name, params):
     from hf_zeroone import OneBitAdam, ZeroOneAdam
 
     if name == "onebit":
-        return OneBitAdam(params, lr=1e-2, freeze_step=3)
-    return ZeroOneAdam(params, lr=1e-2, var_freeze_step=3, var_update_scaler=1, local_step_scaler=2)
+        return OneBitAdam(params, lr=1e-2, freeze_step=3, weight_decay=0.0)  # decay would move unused rows (as AdamW's)
+    return ZeroOneAdam(params, lr=1e-2, var_freeze_step=3, var_update_scaler=1, local_step_scaler=2, weight_decay=0.0)
 
 
 def _tokens(step, rank=0):
@@ -81,7 +81,7 @@ def test_user_masked_elements_stay_masked_when_their_row_is_released():
 
     w = torch.nn.Parameter(torch.ones(3, 2))
     user = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
-    opt = OneBitAdam([{"params": [w], "exp_avg_mask": user}], lr=1e-2, freeze_step=2)
+    opt = OneBitAdam([{"params": [w], "exp_avg_mask": user}], lr=1e-2, freeze_step=2, weight_decay=0.0)
     for step in range(6):
         w.grad = torch.tensor(
             [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]] if step < 3 else [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]

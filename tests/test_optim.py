@@ -57,9 +57,29 @@ def test_warmup_is_exactly_torch_adam(decoupled):
         assert opt.last_step_kind is StepKind.EXACT
 
 
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
+def test_swapping_the_class_name_of_adamw_changes_nothing_else(cls):
+    """``AdamW(params, lr=...)`` -> ``OneBitAdam(params, lr=...)``: the same defaults, the same exact steps.
+
+    The weight decay defaulted to DeepSpeed's 0 where AdamW's is 1e-2: a loop written for AdamW
+    (Accelerate's examples pass only ``lr``) trained without weight decay after the swap.
+    """
+    batches = _batches(25)
+    ref_model, model = _model(), _model()
+    options = dict(lr=1e-2, foreach=True)  # AdamW's implementation choices (foreach, fused) carry over too
+    ref = torch.optim.AdamW(ref_model.parameters(), **options)
+    ours = cls(model.parameters(), **options)  # one process, no run length: every step exact
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        assert ours.defaults[key] == ref.defaults[key], key
+    _train(ref_model, ref, batches)
+    _train(model, ours, batches)
+    assert ours.last_step_kind is StepKind.EXACT
+    assert torch.allclose(_flat(model), _flat(ref_model), rtol=1e-6, atol=1e-7)
+
+
 def test_no_bias_correction_matches_the_deepspeed_formula():
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
-    opt = OneBitAdam([p], lr=0.1, bias_correction=False, eps=1e-8)
+    opt = OneBitAdam([p], lr=0.1, bias_correction=False, eps=1e-8, weight_decay=0.0)  # DeepSpeed's default
     p.grad = torch.tensor([0.5, 0.25])
     opt.step()
     m = 0.1 * p.grad
@@ -222,6 +242,9 @@ def test_loading_a_checkpoint_of_another_kind_or_rank():
         (dict(eps=-1e-8), "eps must be"),
         (dict(weight_decay=-0.1), "weight_decay must be"),
         (dict(amsgrad=True), "amsgrad"),
+        (dict(maximize=True), "negated objective"),
+        (dict(capturable=True), "capturable"),
+        (dict(differentiable=True), "differentiable"),
     ],
 )
 @pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
@@ -308,7 +331,7 @@ def test_user_momentum_mask_is_combined():
 def test_masked_elements_do_not_move_on_local_steps_until_they_get_a_gradient():
     """An element with no gradient before the mask was built stays out of local steps (its v is 0)."""
     p = torch.nn.Parameter(torch.ones(4))
-    opt = ZeroOneAdam([p], lr=0.01, var_freeze_step=3, var_update_scaler=1, local_step_scaler=1)
+    opt = ZeroOneAdam([p], lr=0.01, var_freeze_step=3, var_update_scaler=1, local_step_scaler=1, weight_decay=0.0)
     kinds, masks = [], []
     for step in range(24):
         kinds.append(opt.next_step_kind())

@@ -135,6 +135,8 @@ def optimizer_kwargs(
             value = auto[name]
         kwargs[name] = tuple(value) if name == "betas" else value
     given = set(given)
+    if "weight_decay" not in kwargs and "weight_decay" not in given:
+        kwargs["weight_decay"] = 0.0  # DeepSpeed's default; hf_zeroone's is torch.optim.AdamW's, 1e-2
     if "bias_correction" not in kwargs or kwargs["bias_correction"]:
         kwargs.pop("bias_correction", None)  # on by default here
         if "bias_correction" not in given:

@@ -84,6 +84,23 @@ def check_adam_arguments(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> No
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
 
 
+def check_adamw_options(owner: str, maximize: bool, capturable: bool, differentiable: bool) -> None:
+    """``ValueError`` for a ``torch.optim.AdamW`` option this optimizer cannot honour, with the way around it.
+
+    ``foreach`` and ``fused`` are accepted and change nothing: they choose how AdamW runs its
+    arithmetic, and this optimizer's step is always multi-tensor (AdamW's code carries over as it is).
+    """
+    if maximize:
+        raise ValueError(f"{owner} does not support maximize=True; minimise the negated objective instead")
+    if capturable:
+        raise ValueError(
+            f"{owner} does not support capturable=True (CUDA graphs): its steps communicate and change kind "
+            "with the schedule; leave it False"
+        )
+    if differentiable:
+        raise ValueError(f"{owner} does not support differentiable=True (its messages are compressed); leave it False")
+
+
 #: the dtypes an exact step may send its gradients in (``exact_step_dtype``), by name
 EXACT_STEP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 

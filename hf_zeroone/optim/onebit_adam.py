@@ -12,7 +12,7 @@ from torch import Tensor
 from hf_zeroone.comm import Communicator
 from hf_zeroone.optim._base import UNSET_FREEZE_STEP, CompressedAdamBase
 from hf_zeroone.optim._schedule import recommended_freeze_step
-from hf_zeroone.optim._step_kind import StepKind, _check_int
+from hf_zeroone.optim._step_kind import StepKind, _check_int, check_adamw_options
 
 __all__ = ["OneBitAdam"]
 
@@ -45,13 +45,16 @@ class OneBitAdam(CompressedAdamBase):
     (about 3% of it after 30 steps with :math:`\beta_2 = 0.999`), and the compressed steps are
     many times too large.
 
-    Hyper-parameter names and defaults follow DeepSpeed's ``OneBitAdam`` so configs carry over.
+    Hyper-parameter names follow DeepSpeed's ``OneBitAdam`` so configs carry over; ``lr``, ``betas``, ``eps``
+    and ``weight_decay`` default to :class:`torch.optim.AdamW`'s (DeepSpeed's ``weight_decay`` was 0:
+    :func:`~hf_zeroone.optim.from_deepspeed_config` keeps that for a config that leaves it out).
 
     Args:
         params: parameters or parameter groups. A group may carry ``exp_avg_mask``, a tensor
             broadcastable to its parameters, zero where the momentum is known to stay zero
             (DeepSpeed's option); combined with ``auto_momentum_mask``.
-        lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
+        lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`, defaults included (``weight_decay=1e-2``;
+            pass ``weight_decay=0`` for :class:`torch.optim.Adam`'s).
         freeze_step: number of exact warm-up steps before compression starts (at least 1: the
             variance is estimated on these steps). ``None`` (default): derived from the run length
             by :meth:`set_run_length` (``T`` steps, LR warm-up ``W``:
@@ -63,6 +66,9 @@ class OneBitAdam(CompressedAdamBase):
         communicator, check_replicas_every, follow_gradient_scale, clip_to_variance,
         exact_step_dtype: see
             :class:`~hf_zeroone.optim.CompressedAdamBase`.
+        amsgrad, maximize, foreach, capturable, differentiable, fused: ``torch.optim.AdamW``'s
+            options, so that its arguments carry over: ``foreach`` and ``fused`` change nothing
+            (the step is always multi-tensor); the others raise ``ValueError`` unless ``False``.
 
     Example::
 
@@ -85,7 +91,7 @@ class OneBitAdam(CompressedAdamBase):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         freeze_step: int | None = None,
         *,
         bias_correction: bool = True,
@@ -98,9 +104,15 @@ class OneBitAdam(CompressedAdamBase):
         clip_to_variance: bool = True,
         exact_step_dtype: torch.dtype | str | None = torch.float8_e4m3fn,
         amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
         if amsgrad:
             raise ValueError("OneBitAdam does not support amsgrad (the variance is frozen after warm-up)")
+        check_adamw_options("OneBitAdam", maximize, capturable, differentiable)
         if isinstance(freeze_step, int) and not isinstance(freeze_step, bool) and freeze_step == 0:
             raise ValueError(
                 "freeze_step=0 would freeze a variance that was never estimated (v = 0): nothing would "

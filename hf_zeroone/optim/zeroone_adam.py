@@ -14,7 +14,7 @@ from hf_zeroone.optim import _local_phase
 from hf_zeroone.optim._base import UNSET_FREEZE_STEP, CompressedAdamBase
 from hf_zeroone.optim._exchange import exchange
 from hf_zeroone.optim._schedule import recommended_freeze_step, recommended_local_steps
-from hf_zeroone.optim._step_kind import StepKind, _check_int
+from hf_zeroone.optim._step_kind import StepKind, _check_int, check_adamw_options
 
 __all__ = ["ZeroOneAdam"]
 
@@ -80,12 +80,15 @@ class ZeroOneAdam(CompressedAdamBase):
     (:func:`~hf_zeroone.optim._local_phase.per_lr_units`), so error feedback pays an error back at
     the learning rate of the sync that pays it.
 
-    Hyper-parameter names and defaults follow DeepSpeed's ``ZeroOneAdam`` so configs carry over.
+    Hyper-parameter names follow DeepSpeed's ``ZeroOneAdam`` so configs carry over; ``lr``, ``betas``, ``eps``
+    and ``weight_decay`` default to :class:`torch.optim.AdamW`'s (DeepSpeed's ``weight_decay`` was 0:
+    :func:`~hf_zeroone.optim.from_deepspeed_config` keeps that for a config that leaves it out).
 
     Args:
         params: parameters or parameter groups (a group may carry ``exp_avg_mask``, see
             :class:`OneBitAdam`).
-        lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
+        lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`, defaults included (``weight_decay=1e-2``;
+            pass ``weight_decay=0`` for :class:`torch.optim.Adam`'s).
         var_freeze_step: first step of phase 2 (at least 1; for a run of ``T`` steps with an LR
             warm-up of ``W``: :func:`~hf_zeroone.optim.recommended_freeze_step` ``(T, 2 * W)``, the
             later of ``2 W`` and ``0.3 T``).
@@ -113,6 +116,9 @@ class ZeroOneAdam(CompressedAdamBase):
         communicator, check_replicas_every, follow_gradient_scale, clip_to_variance,
         exact_step_dtype: see
             :class:`~hf_zeroone.optim.CompressedAdamBase`.
+        amsgrad, maximize, foreach, capturable, differentiable, fused: ``torch.optim.AdamW``'s
+            options, so that its arguments carry over: ``foreach`` and ``fused`` change nothing
+            (the step is always multi-tensor); the others raise ``ValueError`` unless ``False``.
     """
 
     schedule_params = (
@@ -129,7 +135,7 @@ class ZeroOneAdam(CompressedAdamBase):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         var_freeze_step: int | None = None,
         var_update_scaler: int = 16,
         local_step_scaler: int | None = None,
@@ -146,9 +152,15 @@ class ZeroOneAdam(CompressedAdamBase):
         clip_to_variance: bool = True,
         exact_step_dtype: torch.dtype | str | None = torch.float8_e4m3fn,
         amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
         if amsgrad:
             raise ValueError("ZeroOneAdam does not support amsgrad (the variance is updated sparsely)")
+        check_adamw_options("ZeroOneAdam", maximize, capturable, differentiable)
         if isinstance(var_freeze_step, int) and not isinstance(var_freeze_step, bool) and var_freeze_step == 0:
             raise ValueError(
                 "var_freeze_step=0 would freeze a variance that was never estimated (v = 0): nothing would "

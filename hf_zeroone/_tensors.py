@@ -182,3 +182,43 @@ def apply_per_tensor(
             for i, value in zip(group, stacked.unbind()):
                 out[i] = value
     return out
+
+
+def _dense_in_its_own_order(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory without gaps or overlaps (its strides a permutation).
+
+    The rule of ``TensorImpl::compute_non_overlapping_and_dense``, by which DDP lays a parameter's
+    gradient in its bucket: dimensions of size 1 do not count.
+    """
+    dims = sorted((d for d in range(t.dim()) if t.size(d) > 1), key=t.stride)
+    expected = 1
+    for d in dims:
+        if t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+def layout_view(flat: Tensor, offset: int, like: Tensor) -> Tensor:
+    """``flat[offset : offset + like.numel()]`` seen with ``like``'s shape, in the order DDP lays ``like`` in a bucket.
+
+    DDP keeps a gradient in its bucket in its parameter's memory order when that order is dense (a
+    transposed weight, a ``channels_last`` convolution), row-major otherwise, and reads the hook's
+    result back the same way; ``GradBucket.gradients()`` views every gradient row-major all the
+    same (torch 2.13), so it reads such a gradient transposed. A flat message laid out by this
+    view is what DDP expects back, and ``step()`` uses the same order, so both paths send the same
+    bytes. For a contiguous ``like`` it is ``.view(like.shape)``.
+    """
+    piece = flat[offset : offset + like.numel()]
+    if like.is_contiguous() or not _dense_in_its_own_order(like):
+        return piece.view(like.shape)
+    return piece.as_strided(like.shape, like.stride())
+
+
+def layout_order(t: Tensor, like: Tensor) -> Tensor:
+    """``t``, shaped like ``like``, flat in ``like``'s :func:`layout_view` order (``reshape(-1)`` if contiguous)."""
+    if like.is_contiguous() or not _dense_in_its_own_order(like):
+        return t.reshape(-1)
+    out = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    layout_view(out, 0, like).copy_(t)
+    return out

@@ -119,7 +119,10 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
         if check or (check is None and buffer.dtype == torch.float16):
             return _agree_on_overflow(opt, buffer)
         return _done(buffer)
-    params, grads = bucket.parameters(), bucket.gradients()
+    # not bucket.gradients(): it views a gradient that DDP keeps in its parameter's memory order (a
+    # transposed weight, channels_last) row-major, that is transposed
+    params = bucket.parameters()
+    grads = consecutive_views(params, buffer)
     scale = state.loss_scale()
     if scale is not None:  # messages in unscaled units
         grads = [g.div(scale.to(device=g.device, dtype=g.dtype)) for g in grads]

@@ -10,6 +10,11 @@ depend on DDP's buckets: the state entries are views into the flat storage,
   chunk (possibly none), and ``"server_error_start"``: the index (into the flattened parameter) of
   its first element.
 
+A parameter's elements lie in the flat vectors in the order DDP lays its gradient in a bucket:
+its memory order when that is dense (a transposed weight, a ``channels_last`` convolution),
+row-major otherwise (:func:`hf_zeroone._tensors.layout_view`); "the flattened parameter" above
+means this order.
+
 When a new layout is built for parameters that already have error state (DDP rebuilt its buckets,
 0/1 Adam's syncs use other groups than its 1-bit gradients, a mask changed, a checkpoint was
 loaded), the values move into the new storage: all of the worker error, and of the server error
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_zeroone._tensors import layout_order, layout_view
 from hf_zeroone.compression import ChunkLayout
 
 __all__ = [
@@ -75,15 +81,15 @@ class FlatBuffers:
         return self.new_message()
 
     def views(self, flat: Tensor) -> list[Tensor]:
-        """Slices of ``flat`` shaped like each parameter."""
-        return [flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+        """Slices of ``flat`` shaped like each parameter, in DDP's order (:func:`layout_view`)."""
+        return [layout_view(flat, o, p) for p, o in zip(self.params, self.offsets)]
 
 
 def consecutive_views(params: Sequence[Tensor], flat: Tensor) -> list[Tensor]:
-    """Consecutive slices of ``flat`` shaped like each of ``params``."""
+    """Consecutive slices of ``flat`` shaped like each of ``params``, each in DDP's order (:func:`layout_view`)."""
     out, offset = [], 0
     for p in params:
-        out.append(flat[offset : offset + p.numel()].view_as(p))
+        out.append(layout_view(flat, offset, p))
         offset += p.numel()
     return out
 
@@ -138,7 +144,7 @@ def _layout(
     if any(m is not None for m in masks):
         ones = functools.partial(torch.ones, dtype=torch.bool, device=device)
         element_mask = torch.cat(
-            [(m.to(device).reshape(-1) != 0) if m is not None else ones(p.numel()) for m, p in zip(masks, params)]
+            [layout_order(m.to(device) != 0, p) if m is not None else ones(p.numel()) for m, p in zip(masks, params)]
         )
     total = offsets[-1] + params[-1].numel()
     return ChunkLayout.from_mask(total, world_size, element_mask, device, segment_starts=offsets)
@@ -176,7 +182,7 @@ def build_flat_buffers(
     server = torch.zeros(layout.chunk, dtype=torch.float32, device=device)
     for p, o in zip(params, offsets):
         state = state_of(p)
-        view = worker[o : o + p.numel()].view_as(p)
+        view = layout_view(worker, o, p)
         if "worker_error" in state:
             view.copy_(state["worker_error"])
         state["worker_error"] = view

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import apply_per_tensor, float32_norms
+from hf_zeroone._tensors import apply_per_tensor, float32_norms, layout_order
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _grad_scale, _local_phase, _masks
 from hf_zeroone.optim._grad_scale import kept_fraction, norm_left
@@ -149,7 +149,7 @@ class Messages:
             server = state.get("server_error")
             if server is not None and server.numel():
                 start = int(state.get("server_error_start", 0))
-                convert([server], [d.reshape(-1)[start : start + server.numel()]], stats.means)
+                convert([server], [layout_order(d, p)[start : start + server.numel()]], stats.means)
             self.opt.variance_views.release([p])
 
     def sync_units(self, params: Sequence[Tensor]) -> list[float] | list[Tensor]:

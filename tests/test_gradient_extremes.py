@@ -196,3 +196,56 @@ def test_a_layer_unfrozen_after_the_freeze_trains(name, how):
     never = run_ranks(_late_layer, 2, name, 10**6, how)[0]  # frozen, or left out, all along
     assert ours["moved"] > 0.3, ours
     assert ours["late"] < 0.9 * never["late"], (ours, never)
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.always, self.sometimes = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+    def forward(self, x, taken):
+        return self.always(x) + (self.sometimes(x) if taken else 0)
+
+
+def _branch_on_one_rank(rank, world_size, path):
+    """0/1 Adam; rank 0's batches take a layer on odd steps only, rank 1's on every step (experts)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone import ZeroOneAdam
+    from hf_zeroone.ddp_hook import register_zeroone_hook
+
+    model = _Experts()
+    opt = ZeroOneAdam(model.parameters(), lr=2e-2, var_freeze_step=10, exact_warmup_steps=2, local_step_scaler=2)
+    trained = DDP(model, find_unused_parameters=True) if path == "hook" else model
+    if path == "hook":
+        register_zeroone_hook(trained, opt)
+    gen = torch.Generator().manual_seed(1 + rank)
+    target = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # step() communicating without a hook says so
+        for i in range(40):
+            x = torch.randn(32, 16, generator=gen)
+            loss = (trained(x, rank == 1 or i % 2 == 1) - x @ target).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    opt.synchronize()
+    return {"params": torch.cat([p.detach().flatten() for p in model.parameters()]), "late": sum(losses[-10:]) / 10}
+
+
+def test_a_layer_one_rank_skips_leaves_the_replicas_identical_after_local_steps():
+    """``step()`` without DDP: rank 0 has no gradient for a layer on some local steps.
+
+    Before the fix rank 0 skipped that layer's local step and booked neither its learning rate nor
+    its decay, so the next sync, which rescales by them, put different parameters on the two
+    ranks, silently (the run ended with unequal replicas). A missing gradient is now a zero one on
+    local steps too, as the other step kinds and DDP (``find_unused_parameters``) treat it.
+    """
+    step = run_ranks(_branch_on_one_rank, 2, "step")
+    hook = run_ranks(_branch_on_one_rank, 2, "hook")
+    assert torch.equal(step[0]["params"], step[1]["params"])
+    assert torch.equal(hook[0]["params"], hook[1]["params"])
+    assert step[0]["late"] == pytest.approx(hook[0]["late"], rel=0.05), (step[0]["late"], hook[0]["late"])

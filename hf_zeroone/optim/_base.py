@@ -170,8 +170,16 @@ class CompressedAdamBase(OptimizerBooks):
                 )
             updates = exchange(self, kind)
         else:  # the hook's results, or local gradients
-            updates = [(g, p, p.grad) for g, p in self.trainable_params() if p.grad is not None]
             local = kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
+            if local and not hook_done and self.comm.is_distributed:
+                # A parameter with no gradient on this rank (a branch this rank's batch did not take)
+                # steps on a zero one, as exchange() hands it on in the other kinds and DDP does: every
+                # rank then books the same local steps, and the sync lands on the same parameters.
+                updates = [
+                    (g, p, torch.zeros_like(p) if p.grad is None else p.grad) for g, p in self.trainable_params()
+                ]
+            else:
+                updates = [(g, p, p.grad) for g, p in self.trainable_params() if p.grad is not None]
             if local and not hook_done:  # as the hook hands them on: both paths agree bit for bit
                 values = self.messages.hand_on_local_gradients(
                     [p for _, p, _ in updates], [v for _, _, v in updates], in_place=False

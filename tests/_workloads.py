@@ -60,3 +60,26 @@ def eval_loss(model: torch.nn.Module, world: int, steps: int = 8) -> float:
             for x, y in batches(r, steps, seed=9000):
                 total += loss_fn(model, x, y).item()
     return total / (world * steps)
+
+
+def train_linear_target(forward, opt: torch.optim.Optimizer, rank: int, steps: int) -> list[float]:
+    """``steps`` steps of regression onto a fixed linear map of 16 inputs to 4; each rank its own samples.
+
+    ``forward(x, i)`` is the model's output at step ``i``. Warnings are silenced (``step()``
+    communicating without a hook says so). Returns the losses.
+    """
+    import warnings
+
+    gen = torch.Generator().manual_seed(1 + rank)
+    target = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(steps):
+            x = torch.randn(32, 16, generator=gen)
+            loss = (forward(x, i) - x @ target).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses

@@ -215,23 +215,14 @@ def _branch_on_one_rank(rank, world_size, path):
     from hf_zeroone import ZeroOneAdam
     from hf_zeroone.ddp_hook import register_zeroone_hook
 
+    from _workloads import train_linear_target
+
     model = _Experts()
     opt = ZeroOneAdam(model.parameters(), lr=2e-2, var_freeze_step=10, exact_warmup_steps=2, local_step_scaler=2)
     trained = DDP(model, find_unused_parameters=True) if path == "hook" else model
     if path == "hook":
         register_zeroone_hook(trained, opt)
-    gen = torch.Generator().manual_seed(1 + rank)
-    target = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
-    losses = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # step() communicating without a hook says so
-        for i in range(40):
-            x = torch.randn(32, 16, generator=gen)
-            loss = (trained(x, rank == 1 or i % 2 == 1) - x @ target).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+    losses = train_linear_target(lambda x, i: trained(x, rank == 1 or i % 2 == 1), opt, rank, 40)
     opt.synchronize()
     return {"params": torch.cat([p.detach().flatten() for p in model.parameters()]), "late": sum(losses[-10:]) / 10}
 

@@ -8,8 +8,6 @@ and AdamW trained (late loss 52,980 against 5.6 on a linear regression), and 0/1
 steps measured their scale samples against the wrong elements' variance.
 """
 
-import warnings
-
 import pytest
 import torch
 
@@ -51,6 +49,8 @@ def _train(rank, world_size, name, path, strided, conv):
 
     from hf_zeroone.ddp_hook import register_zeroone_hook
 
+    from _workloads import train_linear_target
+
     model = _Model(strided, conv)
     if strided:
         assert not model.w.is_contiguous()
@@ -58,18 +58,7 @@ def _train(rank, world_size, name, path, strided, conv):
     opt = _optimizer(name, list(model.parameters()))
     if path == "hook" and name != "adamw":
         register_zeroone_hook(trained, opt)
-    gen = torch.Generator().manual_seed(1 + rank)
-    target = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
-    losses = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # step() communicating without a hook says so
-        for _ in range(STEPS):
-            x = torch.randn(32, 16, generator=gen)
-            loss = (trained(x) - x @ target).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+    losses = train_linear_target(lambda x, i: trained(x), opt, rank, STEPS)
     if name == "zeroone":
         opt.synchronize()
     return {"late": sum(losses[-10:]) / 10, "params": [p.detach().clone() for p in model.parameters()]}

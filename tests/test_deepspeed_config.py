@@ -194,6 +194,14 @@ def test_training_arguments_take_the_optimizer_from_a_deepspeed_config(tmp_path)
             ZeroOneTrainingArguments(
                 output_dir=str(tmp_path), from_deepspeed_config=str(path), learning_rate=5e-4, report_to=[]
             )
+        # a config without weight_decay leaves --weight_decay to the user (and its default, 0.0)
+        bare = tmp_path / "bare.json"
+        bare.write_text(json.dumps({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}))
+        for given, expected in (({}, 0.0), ({"weight_decay": 0.1}, 0.1)):
+            args = ZeroOneTrainingArguments(
+                output_dir=str(tmp_path), from_deepspeed_config=str(bare), report_to=[], **given
+            )
+            assert args.weight_decay == expected
 
 
 def _trainer_from_deepspeed(rank, world, out_dir, config_path):

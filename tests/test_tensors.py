@@ -132,3 +132,24 @@ def test_stacked_per_tensor_operands_give_the_tensor_by_tensor_bits(monkeypatch,
     for which in (None, idle.tolist(), [True] * len(shapes), [False] * len(shapes)):
         got = GS.scale_samples(grads, dens, means, counts, which)
         assert torch.equal(got, _reference_scale_samples(grads, dens, means, counts, which, GS.IDLE_BELOW))
+
+
+def test_layout_order_is_memory_order_where_dense_and_row_major_elsewhere():
+    """The order DDP lays a gradient in its bucket (``layout_view``): the parameter's own memory order if dense."""
+    from hf_zeroone._tensors import layout_order, layout_view
+
+    base = torch.arange(24.0)
+    dense = {
+        "transposed": base.view(4, 6).t(),
+        "channels_last": base.view(1, 2, 3, 4).contiguous(memory_format=torch.channels_last),
+        "size-1 dims": base.view(6, 1, 4).transpose(0, 2),
+    }
+    for name, t in dense.items():
+        assert not t.is_contiguous(), name
+        memory = torch.empty(0).set_(t.untyped_storage(), 0, (t.numel(),))  # the storage as laid out
+        assert torch.equal(layout_order(t, t), memory), name
+        flat = torch.zeros(t.numel() + 3)
+        layout_view(flat, 3, t).copy_(t)  # written through the view: the same order, from offset 3
+        assert torch.equal(flat[3:], memory), name
+    for name, t in {"contiguous": base.view(4, 6), "a slice": base.view(4, 6)[:, :3]}.items():
+        assert torch.equal(layout_order(t, t), t.reshape(-1)), name

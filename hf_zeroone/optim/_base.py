@@ -173,8 +173,11 @@ class CompressedAdamBase(OptimizerBooks):
             local = kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
             if local and not hook_done and self.comm.is_distributed:
                 # A parameter with no gradient on this rank (a branch this rank's batch did not take)
-                # steps on a zero one, as exchange() hands it on in the other kinds and DDP does: every
-                # rank then books the same local steps, and the sync lands on the same parameters.
+                # steps on a zero one, as exchange() hands it on in the other kinds (and as DDP hands
+                # on one that another rank used): every rank books the same local steps, and the sync
+                # lands on the same parameters. Without DDP no rank knows whether another used it, so
+                # one that no rank used steps on zeros too (its momentum and weight decay move it, as
+                # on exact steps), where the hook, told by DDP, leaves it alone.
                 updates = [
                     (g, p, torch.zeros_like(p) if p.grad is None else p.grad) for g, p in self.trainable_params()
                 ]

@@ -135,8 +135,6 @@ def optimizer_kwargs(
             value = auto[name]
         kwargs[name] = tuple(value) if name == "betas" else value
     given = set(given)
-    if "weight_decay" not in kwargs and "weight_decay" not in given:
-        kwargs["weight_decay"] = 0.0  # DeepSpeed's default; hf_zeroone's is torch.optim.AdamW's, 1e-2
     if "bias_correction" not in kwargs or kwargs["bias_correction"]:
         kwargs.pop("bias_correction", None)  # on by default here
         if "bias_correction" not in given:
@@ -180,5 +178,8 @@ def from_deepspeed_config(
     at step 100000 and ``local_step_scaler=32678``, meant no compression in most runs).
     """
     cls, kwargs = optimizer_kwargs(deepspeed_optimizer_section(config), auto=overrides, given=overrides)
+    # DeepSpeed's default; the classes default to torch.optim.AdamW's 1e-2. (The Trainer's path takes
+    # its own --weight_decay, 0.0 by default, for a config that leaves it out.)
+    kwargs.setdefault("weight_decay", 0.0)
     kwargs.update(overrides)
     return cls(params, **kwargs)

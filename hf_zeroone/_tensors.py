@@ -199,6 +199,11 @@ def _dense_in_its_own_order(t: Tensor) -> bool:
     return True
 
 
+def _laid_out_row_major(like: Tensor) -> bool:
+    """Whether DDP lays ``like``'s gradient row-major in a bucket: contiguous, or not dense in its own order."""
+    return like.is_contiguous() or not _dense_in_its_own_order(like)
+
+
 def layout_view(flat: Tensor, offset: int, like: Tensor) -> Tensor:
     """``flat[offset : offset + like.numel()]`` seen with ``like``'s shape, in the order DDP lays ``like`` in a bucket.
 
@@ -210,14 +215,14 @@ def layout_view(flat: Tensor, offset: int, like: Tensor) -> Tensor:
     bytes. For a contiguous ``like`` it is ``.view(like.shape)``.
     """
     piece = flat[offset : offset + like.numel()]
-    if like.is_contiguous() or not _dense_in_its_own_order(like):
+    if _laid_out_row_major(like):
         return piece.view(like.shape)
     return piece.as_strided(like.shape, like.stride())
 
 
 def layout_order(t: Tensor, like: Tensor) -> Tensor:
     """``t``, shaped like ``like``, flat in ``like``'s :func:`layout_view` order (``reshape(-1)`` if contiguous)."""
-    if like.is_contiguous() or not _dense_in_its_own_order(like):
+    if _laid_out_row_major(like):
         return t.reshape(-1)
     out = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
     layout_view(out, 0, like).copy_(t)

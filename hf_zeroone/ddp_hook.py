@@ -41,6 +41,16 @@ all ranks). On ``LOCAL`` and ``ONEBIT_SYNC`` steps the hook can add one 4-byte a
 overflow on one rank is seen by all (``ZeroOneHookState.overflow_check_on_local_steps``: set it
 with a GradScaler; automatic for fp16 buckets; off otherwise, and local steps send nothing).
 
+**Gradient accumulation.** Under ``ddp_model.no_sync()`` DDP calls no hook, and the gradients of
+the micro-steps add up locally until the last backward pass combines them once, as the optimizer
+needs (one message per step: the momentum, the error feedback). A loop that accumulates *without*
+``no_sync()`` makes DDP call the hook on every backward pass; a second call for one step (no
+``step()`` or ``zero_grad()`` between, and no GradScaler skip) shows it. The hook then learns the
+number of backward passes per step (``ZeroOneHookState.backward_passes_per_step``) and from then
+on hands the earlier passes' gradients back as they are and combines on the last, which is what
+``no_sync()`` does; the step where it learned it, and a step with fewer passes (the end of an
+epoch), communicate in ``step()``. It warns once.
+
 DDP builds its buckets anew after the first iteration; the optimizer's flat buffers follow any
 bucket layout (each parameter keeps its own error state), so compression may start at any step.
 
@@ -52,6 +62,7 @@ Usage::
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations at runtime.
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -82,12 +93,17 @@ class ZeroOneHookState:
             scale does) and the results are handed back times ``S`` for the scaler to unscale.
             Without it, messages mix the scaled gradient with the unscaled momentum.
         buckets_seen: number of bucket calls (for tests and diagnostics).
+        backward_passes_per_step: ``None`` until DDP calls the hook twice for one step (gradient
+            accumulation without ``no_sync()``); then the number of backward passes per step, the
+            last of which combines the gradients (see the module).
     """
 
     optimizer: CompressedAdamBase
     overflow_check_on_local_steps: bool | None = None
     grad_scaler: "torch.amp.GradScaler | None" = None
     buckets_seen: int = field(default=0)
+    backward_passes_per_step: "int | None" = None
+    _passes: "_BackwardPasses" = field(default_factory=lambda: _BackwardPasses(), init=False, repr=False)
 
     def loss_scale(self) -> Tensor | None:
         """The scaler's current scale as a one-element tensor, or ``None`` without an enabled scaler."""
@@ -96,6 +112,59 @@ class ZeroOneHookState:
             return None
         scale = getattr(scaler, "_scale", None)  # a tensor: no host sync, unlike get_scale()
         return scale.double() if isinstance(scale, Tensor) else torch.tensor(float(scaler.get_scale()))
+
+
+@dataclass
+class _BackwardPasses:
+    """The backward passes of the current step, per bucket: which one a hook call belongs to."""
+
+    #: the step they belong to: the optimizer's step and its grad_generation
+    key: tuple = ()
+    #: bucket index -> hook calls for it this step
+    calls: dict = field(default_factory=dict)
+    #: this step is left to step(): the pass that showed accumulation came after an exchange
+    deferred: bool = False
+    #: the loss scale at this step's exchange (a GradScaler's skip lowers it)
+    scale: "Tensor | None" = None
+
+
+def _hands_back_uncombined(state: ZeroOneHookState, bucket: dist.GradBucket) -> bool:
+    """Whether this call hands the bucket back as it is: an earlier backward pass of an accumulating step.
+
+    See the module's "Gradient accumulation". A second pass after a GradScaler skipped the step
+    (its scale went down since this step's exchange) is a new iteration, not accumulation.
+    """
+    opt, passes = state.optimizer, state._passes
+    key = (opt.schedule["step"], opt.grad_generation)
+    if passes.key != key:
+        passes.key, passes.calls, passes.deferred, passes.scale = key, {}, False, None
+    index = bucket.index()
+    count = passes.calls.get(index, 0) + 1
+    passes.calls[index] = count
+    known = state.backward_passes_per_step
+    if passes.deferred or (known is not None and count < known):
+        return True
+    if count == 1 or count == known:
+        passes.scale = state.loss_scale()
+        return False
+    scale = state.loss_scale()
+    if scale is not None and passes.scale is not None and bool(scale < passes.scale):  # a GradScaler skip
+        passes.calls, passes.scale = {index: 1}, scale
+        return known is not None and known > 1
+    state.backward_passes_per_step = count
+    passes.deferred = True
+    opt.hook_defers_some_steps = True
+    warnings.warn(
+        f"hf_zeroone: DDP called the communication hook on {count} backward passes before one "
+        f"optimizer.step() (gradient accumulation without no_sync()). The hook now combines the "
+        f"gradients once per step, on the last of every {count} passes, as under no_sync(); this step, "
+        "and any step with fewer passes, communicates in step(). Wrap the earlier micro-steps in "
+        "ddp_model.no_sync() (Accelerate: accelerator.accumulate(model)) to say so directly. If a GradScaler "
+        "skipped the step instead, pass it to the hook: register_zeroone_hook(..., grad_scaler=scaler).",
+        UserWarning,
+        stacklevel=2,
+    )
+    return True
 
 
 def _done(value: Tensor) -> torch.futures.Future:
@@ -108,6 +177,8 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     """Communicate one DDP gradient bucket as the optimizer's schedule requires this step."""
     opt = state.optimizer
     state.buckets_seen += 1
+    if _hands_back_uncombined(state, bucket):  # as no_sync() would: the gradients add up locally
+        return _done(bucket.buffer())
     kind = opt.prepare_step()
     opt.communicated_step = opt.schedule["step"]
     buffer = bucket.buffer()

@@ -146,6 +146,7 @@ class CompressedAdamBase(OptimizerBooks):
             with torch.enable_grad():
                 loss = closure()
         kind = self.prepare_step()
+        self.grad_generation += 1
         self._step_denominators = {}  # a frozen variance's denominators, computed once per step
         try:
             return self._step(kind, loss)
@@ -157,7 +158,7 @@ class CompressedAdamBase(OptimizerBooks):
     def _step(self, kind: StepKind, loss: Any) -> Any:  # noqa: ANN401
         hook_done = self.communicated_step == self.schedule["step"]
         if kind.communicates_in_backward and not hook_done:
-            if self.comm.is_distributed and not self._warned_step_path:
+            if self.comm.is_distributed and not (self._warned_step_path or self.hook_defers_some_steps):
                 self._warned_step_path = True
                 warnings.warn(
                     f"{type(self).__name__} communicates in step() because no hf_zeroone DDP hook ran this "
@@ -311,4 +312,5 @@ class CompressedAdamBase(OptimizerBooks):
         for combined results unless the hook runs again.
         """
         self.communicated_step = None
+        self.grad_generation += 1
         super().zero_grad(set_to_none=set_to_none)

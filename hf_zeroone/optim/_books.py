@@ -109,6 +109,12 @@ class OptimizerBooks(Optimizer):
         self._group_of: dict[int, dict[str, Any]] | None = None
         #: set by a DDP hook: the step whose results are already in ``p.grad``
         self.communicated_step: int | None = None
+        #: counts the calls of step() and zero_grad(): a DDP hook called twice for one value sees
+        #: gradients accumulated over backward passes (gradient accumulation without no_sync())
+        self.grad_generation = 0
+        #: set by a DDP hook that leaves some steps' combining to step() (accumulation without
+        #: no_sync(): see hf_zeroone.ddp_hook); step() then communicates without warning
+        self.hook_defers_some_steps = False
         self._stats_at_step_start = CommStats()
         #: bytes and collectives of the last completed step, and its kind
         self.last_step_stats = CommStats()

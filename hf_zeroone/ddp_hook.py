@@ -306,15 +306,40 @@ def register_zeroone_hook(
         )
     state = ZeroOneHookState(optimizer, grad_scaler=grad_scaler)
     ddp_model.register_comm_hook(state, zeroone_hook)
-    # Every forward starts a new iteration: results of an earlier backward whose step was never
-    # taken (a GradScaler skip) must not be mistaken for this iteration's if the hook does not run
-    # (every micro-step under no_sync()).
-    ddp_model.register_forward_pre_hook(_forget_unstepped_results(optimizer))
+    # Gradients that reach a later forward's outputs start a new iteration: results of an earlier
+    # backward whose step was never taken (a GradScaler skip) must not be mistaken for this
+    # iteration's if the hook does not run (every micro-step under no_sync()). A forward between
+    # backward and step() whose outputs no backward reaches (a prediction logged under no_grad())
+    # leaves this step's results alone.
+    ddp_model.register_forward_hook(_forget_results_on_next_backward(optimizer))
     return state
 
 
-def _forget_unstepped_results(optimizer: CompressedAdamBase):  # noqa: ANN202 - a forward pre-hook
-    def pre_hook(module: torch.nn.Module, args: tuple) -> None:
+def _forget_results_on_next_backward(optimizer: CompressedAdamBase):  # noqa: ANN202 - a forward hook
+    def forget(_grad: Tensor) -> None:
         optimizer.communicated_step = None
 
-    return pre_hook
+    def post_hook(module: torch.nn.Module, args: tuple, output: object) -> None:
+        tensors = _tensors_in(output)
+        if not tensors:  # an output it cannot look into: every forward starts a new iteration
+            optimizer.communicated_step = None
+        for t in tensors:
+            if t.grad_fn is not None:  # not a leaf, whose hooks would stay on it for good
+                t.register_hook(forget)
+
+    return post_hook
+
+
+def _tensors_in(output: object, depth: int = 0) -> list:
+    """The tensors of a forward's output: a tensor, or one inside tuples, lists and mappings (a ModelOutput)."""
+    if isinstance(output, Tensor):
+        return [output]
+    if depth > 3:
+        return []
+    if isinstance(output, dict) or hasattr(output, "values"):
+        items = list(output.values())
+    elif isinstance(output, (tuple, list)):
+        items = list(output)
+    else:
+        return []
+    return [t for item in items for t in _tensors_in(item, depth + 1)]

@@ -83,3 +83,18 @@ def train_linear_target(forward, opt: torch.optim.Optimizer, rank: int, steps: i
             opt.step()
             losses.append(loss.item())
     return losses
+
+
+def hooked_default_run(name: str, steps: int):
+    """``make_model()`` under DDP with the hook and ``name``'s optimizer ("onebit", "zeroone") on its
+    defaults for a run of ``steps`` steps: ``(model, ddp_model, optimizer)``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone import OneBitAdam, ZeroOneAdam, register_zeroone_hook
+
+    model = make_model()
+    ddp = DDP(model)
+    opt = (OneBitAdam if name == "onebit" else ZeroOneAdam)(ddp.parameters(), lr=1e-2)
+    opt.set_run_length(steps, 0)
+    register_zeroone_hook(ddp, opt)
+    return model, ddp, opt

@@ -14,17 +14,9 @@ from _dist import run_ranks
 
 
 def _train(rank, world, name, data_seed):
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from _workloads import batches, flat_params, hooked_default_run, loss_fn
 
-    from hf_zeroone import OneBitAdam, ZeroOneAdam, register_zeroone_hook
-
-    from _workloads import batches, flat_params, loss_fn, make_model
-
-    model = make_model()
-    ddp = DDP(model)
-    opt = (OneBitAdam if name == "onebit" else ZeroOneAdam)(ddp.parameters(), lr=1e-2)
-    opt.set_run_length(40, 0)
-    register_zeroone_hook(ddp, opt)
+    model, ddp, opt = hooked_default_run(name, 40)
     for x, y in batches(rank, 40, seed=data_seed):
         opt.zero_grad()
         loss_fn(ddp, x, y).backward()

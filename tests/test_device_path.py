@@ -128,15 +128,18 @@ def test_the_float8_allreduce_reads_nothing_on_the_host(no_host_reads):
 
 
 class _Bucket:
-    """What zeroone_hook uses of a DDP GradBucket: a flat buffer, its parameters, gradient views."""
+    """What zeroone_hook uses of a DDP GradBucket: its index, a flat buffer, its parameters, gradient views."""
 
-    def __init__(self, params):
-        self._params = list(params)
+    def __init__(self, params, index):
+        self._params, self._index = list(params), index
         self._buffer = torch.cat([p.grad.reshape(-1) for p in self._params])
         self._grads, offset = [], 0
         for p in self._params:
             self._grads.append(self._buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+
+    def index(self):
+        return self._index
 
     def buffer(self):
         return self._buffer
@@ -176,7 +179,7 @@ def test_the_hook_reads_nothing_on_the_host(no_host_reads, name):
             no_host_reads.set()
             checked.add(kind.value)
         seen.add(kind)
-        buckets = [_Bucket(params[:3]), _Bucket(params[3:])]
+        buckets = [_Bucket(params[:3], 0), _Bucket(params[3:], 1)]
         results = [zeroone_hook(state, b).wait() for b in buckets]
         no_host_reads.clear()
         for b, res in zip(buckets, results):

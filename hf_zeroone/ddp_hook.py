@@ -44,12 +44,14 @@ with a GradScaler; automatic for fp16 buckets; off otherwise, and local steps se
 **Gradient accumulation.** Under ``ddp_model.no_sync()`` DDP calls no hook, and the gradients of
 the micro-steps add up locally until the last backward pass combines them once, as the optimizer
 needs (one message per step: the momentum, the error feedback). A loop that accumulates *without*
-``no_sync()`` makes DDP call the hook on every backward pass; a second call for one step (no
-``step()`` or ``zero_grad()`` between, and no GradScaler skip) shows it. The hook then learns the
-number of backward passes per step (``ZeroOneHookState.backward_passes_per_step``) and from then
-on hands the earlier passes' gradients back as they are and combines on the last, which is what
-``no_sync()`` does; the step where it learned it, and a step with fewer passes (the end of an
-epoch), communicate in ``step()``. It warns once.
+``no_sync()`` makes DDP call the hook on every backward pass; a second call for one bucket in one
+step (no ``step()``, ``zero_grad()`` or GradScaler ``update()`` between) shows it. The hook warns
+once, leaves that step to ``step()``, counts its passes
+(``ZeroOneHookState.backward_passes_per_step``) and from then on hands the earlier passes'
+gradients back as they are and combines on the last, which is what ``no_sync()`` does. A step
+with fewer passes (the end of an epoch) is left to ``step()`` too; three in a row set the count
+anew. Handed-back buckets agree on overflow across ranks when there is a GradScaler, since the
+scaler may then read them before ``step()`` (:mod:`hf_zeroone._iterations`).
 
 DDP builds its buckets anew after the first iteration; the optimizer's flat buffers follow any
 bucket layout (each parameter keeps its own error state), so compression may start at any step.
@@ -62,7 +64,6 @@ Usage::
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations at runtime.
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from hf_zeroone._iterations import BackwardPasses, forget_results_on_next_backward
 from hf_zeroone._tensors import non_finite_flag
 from hf_zeroone.optim import CompressedAdamBase, StepKind
 from hf_zeroone.optim._flat import consecutive_views
@@ -93,17 +95,21 @@ class ZeroOneHookState:
             scale does) and the results are handed back times ``S`` for the scaler to unscale.
             Without it, messages mix the scaled gradient with the unscaled momentum.
         buckets_seen: number of bucket calls (for tests and diagnostics).
-        backward_passes_per_step: ``None`` until DDP calls the hook twice for one step (gradient
-            accumulation without ``no_sync()``); then the number of backward passes per step, the
-            last of which combines the gradients (see the module).
+        backward_passes_per_step: (read-only) ``None`` until DDP calls the hook again within one
+            step (gradient accumulation without ``no_sync()``); then the number of backward passes
+            per step, the last of which combines the gradients (see the module).
     """
 
     optimizer: CompressedAdamBase
     overflow_check_on_local_steps: bool | None = None
     grad_scaler: "torch.amp.GradScaler | None" = None
     buckets_seen: int = field(default=0)
-    backward_passes_per_step: "int | None" = None
-    _passes: "_BackwardPasses" = field(default_factory=lambda: _BackwardPasses(), init=False, repr=False)
+    _passes: BackwardPasses = field(default_factory=BackwardPasses, init=False, repr=False)
+
+    @property
+    def backward_passes_per_step(self) -> "int | None":
+        """``None`` until DDP calls the hook again within one step (see the module); then the passes per step."""
+        return self._passes.known
 
     def loss_scale(self) -> Tensor | None:
         """The scaler's current scale as a one-element tensor, or ``None`` without an enabled scaler."""
@@ -112,59 +118,6 @@ class ZeroOneHookState:
             return None
         scale = getattr(scaler, "_scale", None)  # a tensor: no host sync, unlike get_scale()
         return scale.double() if isinstance(scale, Tensor) else torch.tensor(float(scaler.get_scale()))
-
-
-@dataclass
-class _BackwardPasses:
-    """The backward passes of the current step, per bucket: which one a hook call belongs to."""
-
-    #: the step they belong to: the optimizer's step and its grad_generation
-    key: tuple = ()
-    #: bucket index -> hook calls for it this step
-    calls: dict = field(default_factory=dict)
-    #: this step is left to step(): the pass that showed accumulation came after an exchange
-    deferred: bool = False
-    #: the loss scale at this step's exchange (a GradScaler's skip lowers it)
-    scale: "Tensor | None" = None
-
-
-def _hands_back_uncombined(state: ZeroOneHookState, bucket: dist.GradBucket) -> bool:
-    """Whether this call hands the bucket back as it is: an earlier backward pass of an accumulating step.
-
-    See the module's "Gradient accumulation". A second pass after a GradScaler skipped the step
-    (its scale went down since this step's exchange) is a new iteration, not accumulation.
-    """
-    opt, passes = state.optimizer, state._passes
-    key = (opt.schedule["step"], opt.grad_generation)
-    if passes.key != key:
-        passes.key, passes.calls, passes.deferred, passes.scale = key, {}, False, None
-    index = bucket.index()
-    count = passes.calls.get(index, 0) + 1
-    passes.calls[index] = count
-    known = state.backward_passes_per_step
-    if passes.deferred or (known is not None and count < known):
-        return True
-    if count == 1 or count == known:
-        passes.scale = state.loss_scale()
-        return False
-    scale = state.loss_scale()
-    if scale is not None and passes.scale is not None and bool(scale < passes.scale):  # a GradScaler skip
-        passes.calls, passes.scale = {index: 1}, scale
-        return known is not None and known > 1
-    state.backward_passes_per_step = count
-    passes.deferred = True
-    opt.hook_defers_some_steps = True
-    warnings.warn(
-        f"hf_zeroone: DDP called the communication hook on {count} backward passes before one "
-        f"optimizer.step() (gradient accumulation without no_sync()). The hook now combines the "
-        f"gradients once per step, on the last of every {count} passes, as under no_sync(); this step, "
-        "and any step with fewer passes, communicates in step(). Wrap the earlier micro-steps in "
-        "ddp_model.no_sync() (Accelerate: accelerator.accumulate(model)) to say so directly. If a GradScaler "
-        "skipped the step instead, pass it to the hook: register_zeroone_hook(..., grad_scaler=scaler).",
-        UserWarning,
-        stacklevel=2,
-    )
-    return True
 
 
 def _done(value: Tensor) -> torch.futures.Future:
@@ -177,8 +130,12 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     """Communicate one DDP gradient bucket as the optimizer's schedule requires this step."""
     opt = state.optimizer
     state.buckets_seen += 1
-    if _hands_back_uncombined(state, bucket):  # as no_sync() would: the gradients add up locally
-        return _done(bucket.buffer())
+    if state._passes.hands_back(opt, state.grad_scaler, bucket.index()):
+        # as under no_sync(): the gradients add up locally, and nothing in p.grad is combined. The
+        # step may end here (left to step(), after a GradScaler looked at the local gradients), so
+        # ranks agree on overflow whenever there is a scaler
+        opt.communicated_step = None
+        return _agreed_local(state, bucket.buffer(), state.grad_scaler is not None and state.grad_scaler.is_enabled())
     kind = opt.prepare_step()
     opt.communicated_step = opt.schedule["step"]
     buffer = bucket.buffer()
@@ -186,10 +143,7 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
         # each local gradient over its noise excess: clipping sees an averaged-gradient-sized norm
         params = bucket.parameters()
         opt.messages.hand_on_local_gradients(params, consecutive_views(params, buffer), in_place=True)
-        check = state.overflow_check_on_local_steps
-        if check or (check is None and buffer.dtype == torch.float16):
-            return _agree_on_overflow(opt, buffer)
-        return _done(buffer)
+        return _agreed_local(state, buffer)
     # not bucket.gradients(): it views a gradient that DDP keeps in its parameter's memory order (a
     # transposed weight, channels_last) row-major, that is transposed
     params = bucket.parameters()
@@ -249,6 +203,17 @@ def _exact(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: "Tensor 
     return fut.then(record)
 
 
+def _agreed_local(state: ZeroOneHookState, buffer: Tensor, scaled: bool = False) -> torch.futures.Future:
+    """The local bucket, marked non-finite on every rank if it is on one.
+
+    With ``overflow_check_on_local_steps``; by default (``None``) for fp16 buckets and ``scaled`` ones.
+    """
+    check = state.overflow_check_on_local_steps
+    if check or (check is None and (scaled or buffer.dtype == torch.float16)):
+        return _agree_on_overflow(state.optimizer, buffer)
+    return _done(buffer)
+
+
 def _agree_on_overflow(opt: CompressedAdamBase, buffer: Tensor) -> torch.futures.Future:
     """Make a non-finite gradient on any rank visible on all (local steps, fp16); no host read."""
     fut = opt.comm.allreduce_mean_async(non_finite_flag(buffer))
@@ -306,40 +271,8 @@ def register_zeroone_hook(
         )
     state = ZeroOneHookState(optimizer, grad_scaler=grad_scaler)
     ddp_model.register_comm_hook(state, zeroone_hook)
-    # Gradients that reach a later forward's outputs start a new iteration: results of an earlier
-    # backward whose step was never taken (a GradScaler skip) must not be mistaken for this
-    # iteration's if the hook does not run (every micro-step under no_sync()). A forward between
-    # backward and step() whose outputs no backward reaches (a prediction logged under no_grad())
-    # leaves this step's results alone.
-    ddp_model.register_forward_hook(_forget_results_on_next_backward(optimizer))
+    # a later backward pass, not a forward, ends this iteration's results (see ._iterations)
+    ddp_model.register_forward_hook(
+        forget_results_on_next_backward(lambda: setattr(optimizer, "communicated_step", None))
+    )
     return state
-
-
-def _forget_results_on_next_backward(optimizer: CompressedAdamBase):  # noqa: ANN202 - a forward hook
-    def forget(_grad: Tensor) -> None:
-        optimizer.communicated_step = None
-
-    def post_hook(module: torch.nn.Module, args: tuple, output: object) -> None:
-        tensors = _tensors_in(output)
-        if not tensors:  # an output it cannot look into: every forward starts a new iteration
-            optimizer.communicated_step = None
-        for t in tensors:
-            if t.grad_fn is not None:  # not a leaf, whose hooks would stay on it for good
-                t.register_hook(forget)
-
-    return post_hook
-
-
-def _tensors_in(output: object, depth: int = 0) -> list:
-    """The tensors of a forward's output: a tensor, or one inside tuples, lists and mappings (a ModelOutput)."""
-    if isinstance(output, Tensor):
-        return [output]
-    if depth > 3:
-        return []
-    if isinstance(output, dict) or hasattr(output, "values"):
-        items = list(output.values())
-    elif isinstance(output, (tuple, list)):
-        items = list(output)
-    else:
-        return []
-    return [t for item in items for t in _tensors_in(item, depth + 1)]

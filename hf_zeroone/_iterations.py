@@ -47,7 +47,7 @@ class BackwardPasses:
         self._key: tuple = ()
         self._calls: dict[int, int] = {}
         self._learning = False
-        self._scaler_version: int | None = None
+        self._scaler_version: tuple[int, int] | None = None
         self._short_steps = 0
         self._warned = False
 
@@ -95,12 +95,12 @@ class BackwardPasses:
             self._short_steps = 0
 
 
-def _scaler_version(grad_scaler) -> int | None:  # noqa: ANN001
-    """The version counter of an enabled GradScaler's scale tensor (each ``update()`` writes it), or ``None``."""
+def _scaler_version(grad_scaler) -> tuple[int, int] | None:  # noqa: ANN001
+    """An enabled GradScaler's scale tensor and its version counter (each ``update()`` writes it), or ``None``."""
     if grad_scaler is None or not grad_scaler.is_enabled():
         return None
     scale = getattr(grad_scaler, "_scale", None)
-    return scale._version if isinstance(scale, Tensor) else None
+    return (id(scale), scale._version) if isinstance(scale, Tensor) else None
 
 
 def forget_results_on_next_backward(forget: Callable[[], None]):  # noqa: ANN201 - a forward hook

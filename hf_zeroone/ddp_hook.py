@@ -37,9 +37,9 @@ Trainer clips between backward and ``step()``):
 
 With fp16 gradients a GradScaler skips the step when it finds inf/NaN, and every rank must skip
 together. Steps that communicate in backward already agree (a non-finite value on one rank reaches
-all ranks). On ``LOCAL`` and ``ONEBIT_SYNC`` steps the hook can add one 4-byte allreduce per bucket so that an
-overflow on one rank is seen by all (``ZeroOneHookState.overflow_check_on_local_steps``: set it
-with a GradScaler; automatic for fp16 buckets; off otherwise, and local steps send nothing).
+all ranks). On ``LOCAL`` and ``ONEBIT_SYNC`` steps the hook adds one 4-byte allreduce per bucket so that an
+overflow on one rank is seen by all (``ZeroOneHookState.overflow_check_on_local_steps``: automatic
+when a GradScaler is registered or the buckets are fp16; off otherwise, and local steps send nothing).
 
 **Gradient accumulation.** Under ``ddp_model.no_sync()`` DDP calls no hook, and the gradients of
 the micro-steps add up locally until the last backward pass combines them once, as the optimizer
@@ -86,9 +86,10 @@ class ZeroOneHookState:
     Attributes:
         optimizer: a :class:`~hf_zeroone.optim.CompressedAdamBase` (``OneBitAdam``,
             ``ZeroOneAdam``); its communicator carries all traffic and counts it.
-        overflow_check_on_local_steps: on ``LOCAL`` steps, agree across ranks on whether any
-            gradient is non-finite (one tiny allreduce per bucket) so a GradScaler skips the step
-            on every rank. ``None`` (default): only for fp16 buckets.
+        overflow_check_on_local_steps: on ``LOCAL`` and ``ONEBIT_SYNC`` steps, agree across ranks
+            on whether any gradient is non-finite (one 4-byte allreduce per bucket) so a GradScaler
+            skips the step on every rank. ``None`` (default): when ``grad_scaler`` is an enabled
+            GradScaler, or the buckets are fp16; ``False``: never (local steps send nothing).
         grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any. The hook runs
             before the scaler unscales the gradients, so compressed messages are built from
             ``g / S`` (the momentum and both error buffers stay in unscaled units, whatever the
@@ -133,9 +134,9 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     if state._passes.hands_back(opt, state.grad_scaler, bucket.index()):
         # as under no_sync(): the gradients add up locally, and nothing in p.grad is combined. The
         # step may end here (left to step(), after a GradScaler looked at the local gradients), so
-        # ranks agree on overflow whenever there is a scaler
+        # ranks agree on overflow whenever there is a scaler (_agreed_local)
         opt.communicated_step = None
-        return _agreed_local(state, bucket.buffer(), state.grad_scaler is not None and state.grad_scaler.is_enabled())
+        return _agreed_local(state, bucket.buffer())
     kind = opt.prepare_step()
     opt.communicated_step = opt.schedule["step"]
     buffer = bucket.buffer()
@@ -203,12 +204,16 @@ def _exact(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: "Tensor 
     return fut.then(record)
 
 
-def _agreed_local(state: ZeroOneHookState, buffer: Tensor, scaled: bool = False) -> torch.futures.Future:
+def _agreed_local(state: ZeroOneHookState, buffer: Tensor) -> torch.futures.Future:
     """The local bucket, marked non-finite on every rank if it is on one.
 
-    With ``overflow_check_on_local_steps``; by default (``None``) for fp16 buckets and ``scaled`` ones.
+    With ``overflow_check_on_local_steps``; by default (``None``) for fp16 buckets and whenever an
+    enabled GradScaler was registered: the scaler reads these local gradients and skips ``step()``
+    on a rank that finds an overflow, so without agreement one rank would skip alone and the
+    ranks' schedules would part.
     """
     check = state.overflow_check_on_local_steps
+    scaled = state.grad_scaler is not None and state.grad_scaler.is_enabled()
     if check or (check is None and (scaled or buffer.dtype == torch.float16)):
         return _agree_on_overflow(state.optimizer, buffer)
     return _done(buffer)

@@ -224,8 +224,12 @@ def test_replicas_identical_under_ddp_options(variant):
         assert sum(a["losses"][-8:]) < sum(a["losses"][:8]), (variant, name, a["losses"])
 
 
-def _overflow(rank, world, name):
-    """Autocast fp16 + GradScaler; rank 1 gets an inf gradient at chosen steps."""
+def _overflow(rank, world, name, told):
+    """Autocast fp16 + GradScaler; rank 1 gets an inf gradient at chosen steps.
+
+    ``told``: ``"flag"`` sets ``overflow_check_on_local_steps``; ``"scaler"`` only hands the
+    GradScaler to ``register_zeroone_hook``, which must be enough.
+    """
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -236,9 +240,11 @@ def _overflow(rank, world, name):
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.004)
     opt = _opt(name, ddp.parameters(), **({"freeze_step": 2} if name == "onebit" else {"var_freeze_step": 6}))
-    state = register_zeroone_hook(ddp, opt)
-    state.overflow_check_on_local_steps = True
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    if told == "flag":
+        register_zeroone_hook(ddp, opt).overflow_check_on_local_steps = True
+    else:
+        register_zeroone_hook(ddp, opt, grad_scaler=scaler)
     bad_steps = {1, 4, 8, 9, 10}
     record = []
     for i, (x, y) in enumerate(batches(rank, 16)):
@@ -264,9 +270,10 @@ def _overflow(rank, world, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("told", ["flag", "scaler"])
 @pytest.mark.parametrize("name", ["onebit", "zeroone"])
-def test_overflow_on_one_rank_makes_every_rank_skip(name):
-    res = run_ranks(_overflow, 2, name, timeout=200)
+def test_overflow_on_one_rank_makes_every_rank_skip(name, told):
+    res = run_ranks(_overflow, 2, name, told, timeout=200)
     kinds_seen = set()
     for (i, kind, adv0, fin0, p0), (_, _, adv1, fin1, p1) in zip(res[0], res[1]):
         kinds_seen.add(kind)

@@ -39,6 +39,12 @@ def mul_scalar_(tensors: Sequence[Tensor], value: float) -> None:
     torch._foreach_mul_(tensors, _scalar_operand(tensors, value))
 
 
+def div_scalar(tensors: Sequence[Tensor], value: float) -> list[Tensor]:
+    """``t / value`` for every tensor (new tensors; ``torch._foreach_div``, see :func:`_scalar_operand`)."""
+    tensors = list(tensors)
+    return list(torch._foreach_div(tensors, _scalar_operand(tensors, value)))
+
+
 def div_scalar_(tensors: Sequence[Tensor], value: float) -> None:
     """``t /= value`` for every tensor, in place (``torch._foreach_div_``, see :func:`_scalar_operand`)."""
     tensors = list(tensors)

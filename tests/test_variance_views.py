@@ -152,3 +152,28 @@ def test_scale_samples_count_exactly_the_elements_at_or_above_the_idle_floor():
     for flags in (None, idle.tolist()):  # every tensor masked, or only those with idle elements
         got = _grad_scale.scale_samples(grads, dens, means, counts, flags)
         torch.testing.assert_close(got, torch.stack(want), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scale_samples_mask_the_float_just_below_the_floor_and_keep_the_one_at_it(dtype):
+    """The CPU's multi-tensor mask (``d - below`` signs) against ``masked_fill_(d < floor, 0)``, at the edge."""
+    from hf_zeroone.optim import _grad_scale
+
+    gen = torch.Generator().manual_seed(1)
+    dens = [(torch.rand(n, generator=gen, dtype=torch.float64) + 0.5).to(dtype) for n in (5, 64, 33)]
+    means = torch.tensor([1.0, 3.0, 0.7], dtype=torch.float32)  # given, not measured: the floors are known
+    floors = (means * _grad_scale.IDLE_BELOW).to(dtype)
+    for d, floor in zip(dens, floors):
+        d[0] = floor
+        d[1] = torch.nextafter(floor, torch.tensor(-1.0, dtype=dtype))
+        d[2] = torch.nextafter(floor, torch.tensor(9.0, dtype=dtype))
+        d[3] = floor / 1000
+    grads = [torch.randn(d.shape, generator=gen) for d in dens]
+    counts = torch.tensor([float((d >= f).sum()) for d, f in zip(dens, floors)])
+    want = []
+    for g, d, floor, count in zip(grads, dens, floors, counts):
+        r = torch.div(g, d).masked_fill_(d < floor, 0.0)
+        want.append(torch.linalg.vector_norm(r).square() / count)
+    got = _grad_scale.scale_samples(grads, dens, means, counts, None)
+    assert counts.tolist() == [3, 62, 31]
+    assert torch.equal(got, torch.stack(want))

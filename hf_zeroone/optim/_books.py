@@ -291,7 +291,14 @@ class OptimizerBooks(Optimizer):
         self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float
     ) -> list[Tensor]:
         factors = self.scale_factors(group, params) if kind.frozen_variance else None
-        return F.denominators([self.state[p]["exp_avg_sq"] for p in params], c2, group["eps"], factors)
+        v = [self.state[p]["exp_avg_sq"] for p in params]
+        if factors is None or not all(t.dtype == torch.float32 for t in v):
+            return F.denominators(v, c2, group["eps"], factors)
+        # The step will measure its scale samples against the plain denominators, sqrt(v / c2) + eps:
+        # one sqrt(v) for both (the plain ones kept in variance_views, where they are looked up)
+        roots = list(torch._foreach_sqrt(v))
+        self.variance_views.offer(params, v, c2, group["eps"], F.root_denominators(roots, c2, group["eps"]))
+        return F.denominators(v, c2, group["eps"], factors, roots=roots)
 
     def scale_factors(self, group: dict[str, Any], params: Sequence[Tensor]) -> list[Tensor | None] | None:
         """``follow_gradient_scale``'s factor ``f`` of a frozen ``v`` per parameter (``None``: the option is off).

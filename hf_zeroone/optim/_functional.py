@@ -32,6 +32,7 @@ from torch import Tensor
 from hf_zeroone._tensors import (
     add_scalar_,
     apply_per_tensor,
+    div_scalar,
     div_scalar_,
     float32_norms,
     mul_scalar,
@@ -52,6 +53,7 @@ __all__ = [
     "local_sq_norms",
     "momentum_messages",
     "norm_proxy_factors",
+    "root_denominators",
     "to_update_units",
     "variance_bound",
 ]
@@ -76,19 +78,30 @@ def l2_gradients(grads: Sequence[Tensor], params: Sequence[Tensor], weight_decay
 
 
 def denominators(
-    exp_avg_sqs: Sequence[Tensor], c2: float, eps: float, factors: Sequence[Tensor | None] | None = None
+    exp_avg_sqs: Sequence[Tensor],
+    c2: float,
+    eps: float,
+    factors: Sequence[Tensor | None] | None = None,
+    roots: Sequence[Tensor] | None = None,
 ) -> list[Tensor]:
     """``sqrt(v / c2) + eps`` per tensor; with a factor ``f`` (0-dim): ``sqrt(v) * sqrt(f / c2) + eps``.
 
     ``factors`` rescale a frozen variance (``follow_gradient_scale``, :mod:`._grad_scale`); an entry
-    of ``None`` leaves its tensor unscaled.
+    of ``None`` leaves its tensor unscaled. ``roots``: ``sqrt(v)`` of each tensor, already taken
+    (:func:`root_denominators`); they become the result, scaled in place.
     """
     exp_avg_sqs = list(exp_avg_sqs)
+
+    def sqrt_of(indices: Sequence[int]) -> list[Tensor]:
+        if roots is not None:
+            return [roots[i] for i in indices]
+        return list(torch._foreach_sqrt([exp_avg_sqs[i] for i in indices]))
+
     if factors is None or all(f is None for f in factors):
-        out = list(torch._foreach_sqrt(exp_avg_sqs))
+        out = sqrt_of(range(len(exp_avg_sqs)))
         div_scalar_(out, math.sqrt(c2))
     elif not stacks_by_shape(exp_avg_sqs[0].device):  # one multi-tensor call, tensor by tensor
-        out = list(torch._foreach_sqrt(exp_avg_sqs))
+        out = sqrt_of(range(len(exp_avg_sqs)))
         plain = [d for d, f in zip(out, factors) if f is None]
         if plain:
             div_scalar_(plain, math.sqrt(c2))
@@ -100,18 +113,32 @@ def denominators(
         out: list[Tensor] = [None] * len(exp_avg_sqs)  # type: ignore[list-item]
         plain = [i for i, f in enumerate(factors) if f is None]
         if plain:
-            roots = list(torch._foreach_sqrt([exp_avg_sqs[i] for i in plain]))
-            div_scalar_(roots, math.sqrt(c2))
-            for i, d in zip(plain, roots):
+            plain_roots = sqrt_of(plain)
+            div_scalar_(plain_roots, math.sqrt(c2))
+            for i, d in zip(plain, plain_roots):
                 out[i] = d
         # the scaled ones, one call per shape (see shape_groups): sqrt(v) times sqrt(f / c2)
         for group in shape_groups(exp_avg_sqs, (i for i, f in enumerate(factors) if f is not None)):
             ndim = exp_avg_sqs[group[0]].dim()
             multipliers = per_tensor_operand(factors, group, ndim).div(c2).sqrt_()
-            stacked = torch.stack([exp_avg_sqs[i] for i in group]).sqrt_()
+            if roots is not None:
+                stacked = torch.stack([roots[i] for i in group])
+            else:
+                stacked = torch.stack([exp_avg_sqs[i] for i in group]).sqrt_()
             stacked.mul_(multipliers.to(stacked.dtype))
             for i, d in zip(group, stacked.unbind()):
                 out[i] = d
+    add_scalar_(out, eps)
+    return out
+
+
+def root_denominators(roots: Sequence[Tensor], c2: float, eps: float) -> list[Tensor]:
+    """``sqrt(v / c2) + eps`` from ``roots = sqrt(v)`` (new tensors): :func:`denominators`' bits, ``roots`` kept.
+
+    A frozen variance's plain denominators and its scaled ones (``follow_gradient_scale``) both
+    start from ``sqrt(v)``: taken once, it serves both (``roots=`` of :func:`denominators`).
+    """
+    out = div_scalar(roots, math.sqrt(c2))
     add_scalar_(out, eps)
     return out
 

@@ -90,6 +90,15 @@ class VarianceViews:
             return [by_index[i] if i in by_index else self._dens[id(p)][1] for i, p in enumerate(params)]
         return [self._dens[id(p)][1] for p in params]
 
+    def offer(
+        self, params: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float, dens: Sequence[Tensor]
+    ) -> None:
+        """Keep ``dens``, computed elsewhere as :meth:`denominators` would, for ``params`` (until released)."""
+        for p, v, d in zip(params, exp_avg_sqs, dens):
+            key = self._key(v, c2, eps)
+            if key[1] is not None:
+                self._dens[id(p)] = (key, d)
+
     def statistics(
         self, params: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float, idle_eps: float = 0.0
     ) -> tuple[list[Tensor], SampleStatistics]:

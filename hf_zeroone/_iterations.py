@@ -23,7 +23,11 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["BackwardPasses", "forget_results_on_next_backward"]
+__all__ = ["PASSES_KEY", "BackwardPasses", "forget_results_on_next_backward"]
+
+#: the optimizer's schedule entry that holds the learned passes per step: saved in its checkpoints,
+#: so a resumed run combines once per step from its first step
+PASSES_KEY = "backward_passes_per_step"
 
 #: steps in a row with fewer passes than learned after which the hook takes the new count
 _SHORT_STEPS_TO_RELEARN = 3
@@ -32,10 +36,11 @@ _SHORT_STEPS_TO_RELEARN = 3
 class BackwardPasses:
     """Counts the hook's calls per bucket in each step; learns the backward passes per step.
 
-    ``known`` is ``None`` until a bucket is called again after it was combined in the same step
-    (gradient accumulation without ``no_sync()``). That step is left to ``step()`` (the passes
-    before were combined already), its passes are counted, and from the next step on the first
-    ``known - 1`` passes are handed back as they are and the last is combined. A step with fewer
+    The count (:func:`known`) is ``None`` until a bucket is called again after it was combined in
+    the same step (gradient accumulation without ``no_sync()``). That step is left to ``step()``
+    (the passes before were combined already), its passes are counted, and from the next step on
+    the first ``known - 1`` passes are handed back as they are and the last is combined. The count
+    is kept in the optimizer's schedule (:data:`PASSES_KEY`), so its checkpoints carry it. A step with fewer
     passes (an epoch's end) is left to ``step()``; three such steps in a row set the count anew
     (1: no accumulation). A GradScaler's ``update()`` between two passes (its scale tensor's
     version counter moved, read on the host without a device sync) marks a skipped step: the next
@@ -43,7 +48,6 @@ class BackwardPasses:
     """
 
     def __init__(self) -> None:
-        self.known: int | None = None
         self._key: tuple = ()
         self._calls: dict[int, int] = {}
         self._learning = False
@@ -61,9 +65,12 @@ class BackwardPasses:
         elif version != self._scaler_version:  # the scaler updated: that step was skipped
             self._calls, self._learning, self._scaler_version = {}, False, version
         count = self._calls[bucket_index] = self._calls.get(bucket_index, 0) + 1
-        if self._learning or (self.known is not None and count < self.known):
+        passes = known(optimizer)
+        if passes is not None:  # (learned here, or loaded with a checkpoint)
+            optimizer.hook_defers_some_steps = True
+        if self._learning or (passes is not None and count < passes):
             return True
-        if count == 1 or count == self.known:
+        if count == 1 or count == passes:
             return False
         self._learning = True  # combined once already this step: the passes accumulate
         optimizer.hook_defers_some_steps = True
@@ -83,16 +90,30 @@ class BackwardPasses:
         return True
 
     def _close_step(self, optimizer) -> None:  # noqa: ANN001
-        passes = max(self._calls.values(), default=0)
+        passes, learned = max(self._calls.values(), default=0), known(optimizer)
         if self._learning:
-            self.known, self._short_steps = passes, 0
-        elif self.known is not None and 0 < passes < self.known:
+            _set_known(optimizer, passes)
+            self._short_steps = 0
+        elif learned is not None and 0 < passes < learned:
             self._short_steps += 1
             if self._short_steps >= _SHORT_STEPS_TO_RELEARN:  # the loop accumulates fewer passes now
-                self.known, self._short_steps = (None if passes == 1 else passes), 0
-                optimizer.hook_defers_some_steps = self.known is not None
+                _set_known(optimizer, None if passes == 1 else passes)
+                self._short_steps = 0
+                optimizer.hook_defers_some_steps = passes > 1
         elif passes:
             self._short_steps = 0
+
+
+def known(optimizer) -> int | None:  # noqa: ANN001
+    """The backward passes per step the hook learned for ``optimizer`` (``None``: one, or not seen yet)."""
+    return optimizer.schedule.get(PASSES_KEY)
+
+
+def _set_known(optimizer, passes: int | None) -> None:  # noqa: ANN001
+    if passes is None:
+        optimizer.schedule.pop(PASSES_KEY, None)
+    else:
+        optimizer.schedule[PASSES_KEY] = passes
 
 
 def _scaler_version(grad_scaler) -> tuple[int, int] | None:  # noqa: ANN001

@@ -45,7 +45,7 @@ when a GradScaler is registered or the buckets are fp16; off otherwise, and loca
 the micro-steps add up locally until the last backward pass combines them once, as the optimizer
 needs (one message per step: the momentum, the error feedback). A loop that accumulates *without*
 ``no_sync()`` makes DDP call the hook on every backward pass; a second call for one bucket in one
-step (no ``step()``, ``zero_grad()`` or GradScaler ``update()`` between) shows it. The hook warns
+step (no ``step()``, ``optimizer.zero_grad()`` or GradScaler ``update()`` between) shows it. The hook warns
 once, leaves that step to ``step()``, counts its passes
 (``ZeroOneHookState.backward_passes_per_step``) and from then on hands the earlier passes'
 gradients back as they are and combines on the last, which is what ``no_sync()`` does. A step
@@ -72,6 +72,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_zeroone._iterations import BackwardPasses, forget_results_on_next_backward
+from hf_zeroone._iterations import known as known_passes
 from hf_zeroone._tensors import non_finite_flag
 from hf_zeroone.optim import CompressedAdamBase, StepKind
 from hf_zeroone.optim._flat import consecutive_views
@@ -98,7 +99,8 @@ class ZeroOneHookState:
         buckets_seen: number of bucket calls (for tests and diagnostics).
         backward_passes_per_step: (read-only) ``None`` until DDP calls the hook again within one
             step (gradient accumulation without ``no_sync()``); then the number of backward passes
-            per step, the last of which combines the gradients (see the module).
+            per step, the last of which combines the gradients (see the module). Kept in the
+            optimizer's schedule, so a checkpoint of the optimizer carries it to a resumed run.
     """
 
     optimizer: CompressedAdamBase
@@ -110,7 +112,7 @@ class ZeroOneHookState:
     @property
     def backward_passes_per_step(self) -> "int | None":
         """``None`` until DDP calls the hook again within one step (see the module); then the passes per step."""
-        return self._passes.known
+        return known_passes(self.optimizer)
 
     def loss_scale(self) -> Tensor | None:
         """The scaler's current scale as a one-element tensor, or ``None`` without an enabled scaler."""

@@ -242,3 +242,76 @@ def test_a_forward_between_backward_and_step_changes_nothing(name):
         assert torch.equal(res[0][0], plain[0][0]) and torch.equal(res[1][0], plain[1][0]), extra
         assert res[0][1] == plain[0][1]
         assert not res[0][3], res[0][3]
+
+
+def _resume(rank, world, name, no_sync_after):
+    """Accumulate 2 passes per step without ``no_sync()``, checkpoint, and go on in a new process' objects.
+
+    Before the checkpoint the hook learns the passes per step; after it, a fresh model, optimizer and
+    hook load the checkpoint and train on (``no_sync_after``: the resumed loop uses ``no_sync()``).
+    """
+    import contextlib
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone import OneBitAdam, ZeroOneAdam, register_zeroone_hook
+
+    from _workloads import batches, loss_fn, make_model
+
+    def build():
+        model = make_model()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        cls, kw = (OneBitAdam, {"freeze_step": 3}) if name == "onebit" else (ZeroOneAdam, {"var_freeze_step": 3})
+        opt = cls(ddp.parameters(), lr=1e-2, exact_step_dtype="float32", **kw)
+        return model, ddp, opt, register_zeroone_hook(ddp, opt)
+
+    data = iter(batches(rank, 2 * 14, batch=32))
+
+    def train(ddp, opt, steps, no_sync):
+        stats = []
+        for _ in range(steps):
+            for k in range(2):
+                x, y = next(data)
+                with ddp.no_sync() if no_sync and k == 0 else contextlib.nullcontext():
+                    (loss_fn(ddp, x, y) / 2).backward()
+            opt.step()
+            ddp.zero_grad()
+            stats.append((opt.last_step_kind.value, opt.last_step_stats.bytes_sent, opt.last_step_stats.collectives))
+        return stats
+
+    model, ddp, opt, _ = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(ddp, opt, 6, no_sync=False)
+    saved_model, saved_opt = model.state_dict(), opt.state_dict()
+    model, ddp, opt, state = build()
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    loaded = state.backward_passes_per_step
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = train(ddp, opt, 8, no_sync=no_sync_after)
+    return {"loaded": loaded, "stats": stats, "warnings": [str(w.message) for w in caught]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["onebit", "zeroone"])
+def test_a_resumed_run_keeps_the_learned_passes_per_step(name):
+    """The passes per step live in the optimizer's checkpoint: a resumed loop combines once per step at once.
+
+    Before, a resumed run learned them again: its first step warned, and sent a second exchange
+    from ``step()`` after the hook's (its first pass was combined in the hook).
+    """
+    resumed = run_ranks(_resume, 2, name, False, timeout=200)[0]
+    assert resumed["loaded"] == 2
+    assert not resumed["warnings"], resumed["warnings"]
+    # one exchange in every step: the first one's collectives as the later ones' (DDP rebuilds its
+    # buckets after the first iteration, so its bytes differ)
+    kinds = {kind for kind, _, _ in resumed["stats"]}
+    assert kinds == {"onebit_momentum"} if name == "onebit" else "local" in kinds
+    if name == "onebit":
+        assert len({collectives for _, _, collectives in resumed["stats"]}) == 1, resumed["stats"]
+        assert len(set(resumed["stats"][1:])) == 1, resumed["stats"]
+    else:  # local steps send nothing, each combined as one: no exchange from step() either
+        assert all(sent == 0 for kind, sent, _ in resumed["stats"] if kind == "local"), resumed["stats"]

@@ -8,6 +8,7 @@ Each phase is timed on its own optimizer, set up so that every timed step is of 
     python recipes/bench_step.py --device cuda --fused # on a GPU, also against AdamW(fused=True)
     python recipes/bench_step.py --loopback 2          # with the message maths of 2 simulated ranks
     python recipes/bench_step.py --profile             # where each phase's launches come from (step_sites.py)
+    python recipes/bench_step.py --set follow_gradient_scale=False  # an option of ours off in every phase
     torchrun --standalone --nproc_per_node 2 recipes/bench_step.py --profile  # the same, step() communicating
 
 Alone in its process an optimizer communicates nothing, and its step is the local arithmetic only
@@ -53,6 +54,20 @@ PHASES = {
     ),
     "0/1 Adam: sync": (ZeroOneAdam, {"var_freeze_step": 2, "local_step_clipper": 1, "exact_warmup_steps": 0}, 4),
 }
+
+
+#: the on/off options of both optimizers that ``--set`` may turn (their defaults: on)
+SWITCHES = ("follow_gradient_scale", "clip_to_variance", "auto_momentum_mask")
+
+
+def _switch(text: str) -> tuple[str, bool]:
+    """``OPTION=True`` or ``OPTION=False`` for an option of :data:`SWITCHES`, for ``--set``."""
+    name, _, value = text.partition("=")
+    if name not in SWITCHES or value not in ("True", "False"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give OPTION=True or OPTION=False, OPTION one of {', '.join(SWITCHES)}"
+        )
+    return name, value == "True"
 
 
 def build_model(layers: int, width: int) -> torch.nn.Module:
@@ -111,7 +126,16 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="instead of timing, count each phase's launches per source line"
     )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="OPTION=BOOL", type=_switch,
+        help=f"an on/off option of both optimizers for every phase ({', '.join(SWITCHES)}); repeatable",
+    )  # fmt: skip
     args = parser.parse_args()
+    switches = dict(args.set)
+    if switches:
+        global PHASES
+        PHASES = {name: (cls, {**kw, **switches}, before) for name, (cls, kw, before) in PHASES.items()}
+        print(f"every phase with {', '.join(f'{k}={v}' for k, v in switches.items())}")
     torch.set_num_threads(args.threads)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if args.loopback == 1 or args.loopback < 0:

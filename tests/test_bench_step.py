@@ -99,3 +99,14 @@ def test_loopback_runs_the_message_maths_that_one_process_leaves_out(tmp_path):
     )  # fmt: skip
     assert timed.returncode == 0, timed.stdout[-3000:] + timed.stderr[-3000:]
     assert "| 0/1 Adam: sync |" in timed.stdout
+
+
+def test_set_turns_an_option_off_in_every_phase_and_refuses_others(tmp_path):
+    base = [sys.executable, str(RECIPES / "bench_step.py"), "--layers", "1", "--width", "16", "--steps", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = base + ["--rounds", "1", "--set", "follow_gradient_scale=False", "--set", "clip_to_variance=False"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "every phase with follow_gradient_scale=False, clip_to_variance=False" in proc.stdout
+    bad = subprocess.run(base + ["--set", "lr=0.1"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "give OPTION=True or OPTION=False" in bad.stderr, bad.stderr[-2000:]

@@ -68,12 +68,16 @@ class BackwardPasses:
         passes = known(optimizer)
         if passes is not None:  # (learned here, or loaded with a checkpoint)
             optimizer.hook_defers_some_steps = True
-        if self._learning or (passes is not None and count < passes):
+        if self._learning:
+            _set_known(optimizer, max(count, passes or 0))
+            return True
+        if passes is not None and count < passes:
             return True
         if count == 1 or count == passes:
             return False
         self._learning = True  # combined once already this step: the passes accumulate
         optimizer.hook_defers_some_steps = True
+        _set_known(optimizer, count)  # so far: a checkpoint after this step holds the whole count
         if not self._warned:
             self._warned = True
             warnings.warn(

@@ -70,6 +70,11 @@ def _switch(text: str) -> tuple[str, bool]:
     return name, value == "True"
 
 
+def phases_with(switches: dict[str, bool]) -> dict:
+    """:data:`PHASES` with ``switches`` (options of :data:`SWITCHES`) given to every phase's optimizer."""
+    return {name: (cls, {**kw, **switches}, before) for name, (cls, kw, before) in PHASES.items()}
+
+
 def build_model(layers: int, width: int) -> torch.nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
@@ -134,7 +139,7 @@ def main() -> None:
     switches = dict(args.set)
     if switches:
         global PHASES
-        PHASES = {name: (cls, {**kw, **switches}, before) for name, (cls, kw, before) in PHASES.items()}
+        PHASES = phases_with(switches)
         print(f"every phase with {', '.join(f'{k}={v}' for k, v in switches.items())}")
     torch.set_num_threads(args.threads)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
@@ -102,6 +104,13 @@ def test_loopback_runs_the_message_maths_that_one_process_leaves_out(tmp_path):
 
 
 def test_set_turns_an_option_off_in_every_phase_and_refuses_others(tmp_path):
+    bench = _load()
+    switched = bench.phases_with({"follow_gradient_scale": False})
+    assert switched.keys() == bench.PHASES.keys()
+    for name, (cls, kw, before) in switched.items():
+        opt = cls([torch.nn.Parameter(torch.zeros(3))], lr=1e-3, **kw)
+        assert opt.follow_gradient_scale is False and opt.clip_to_variance is True, name
+        assert before == bench.PHASES[name][2]
     base = [sys.executable, str(RECIPES / "bench_step.py"), "--layers", "1", "--width", "16", "--steps", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     cmd = base + ["--rounds", "1", "--set", "follow_gradient_scale=False", "--set", "clip_to_variance=False"]

@@ -244,13 +244,12 @@ def test_a_forward_between_backward_and_step_changes_nothing(name):
         assert not res[0][3], res[0][3]
 
 
-def _resume(rank, world, name, no_sync_after):
-    """Accumulate 2 passes per step without ``no_sync()``, checkpoint, and go on in a new process' objects.
+def _resume(rank, world, name, before):
+    """Accumulate 2 passes per step without ``no_sync()`` for ``before`` steps, checkpoint, go on in new objects.
 
-    Before the checkpoint the hook learns the passes per step; after it, a fresh model, optimizer and
-    hook load the checkpoint and train on (``no_sync_after``: the resumed loop uses ``no_sync()``).
+    The hook learns the passes per step on the first step; after the checkpoint, a fresh model,
+    optimizer and hook load it and train on the same way.
     """
-    import contextlib
     import warnings
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -266,15 +265,14 @@ def _resume(rank, world, name, no_sync_after):
         opt = cls(ddp.parameters(), lr=1e-2, exact_step_dtype="float32", **kw)
         return model, ddp, opt, register_zeroone_hook(ddp, opt)
 
-    data = iter(batches(rank, 2 * 14, batch=32))
+    data = iter(batches(rank, 2 * (before + 8), batch=32))
 
-    def train(ddp, opt, steps, no_sync):
+    def train(ddp, opt, steps):
         stats = []
         for _ in range(steps):
-            for k in range(2):
+            for _ in range(2):
                 x, y = next(data)
-                with ddp.no_sync() if no_sync and k == 0 else contextlib.nullcontext():
-                    (loss_fn(ddp, x, y) / 2).backward()
+                (loss_fn(ddp, x, y) / 2).backward()
             opt.step()
             ddp.zero_grad()
             stats.append((opt.last_step_kind.value, opt.last_step_stats.bytes_sent, opt.last_step_stats.collectives))
@@ -283,7 +281,7 @@ def _resume(rank, world, name, no_sync_after):
     model, ddp, opt, _ = build()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        train(ddp, opt, 6, no_sync=False)
+        train(ddp, opt, before)
     saved_model, saved_opt = model.state_dict(), opt.state_dict()
     model, ddp, opt, state = build()
     model.load_state_dict(saved_model)
@@ -291,27 +289,39 @@ def _resume(rank, world, name, no_sync_after):
     loaded = state.backward_passes_per_step
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stats = train(ddp, opt, 8, no_sync=no_sync_after)
+        stats = train(ddp, opt, 8)
     return {"loaded": loaded, "stats": stats, "warnings": [str(w.message) for w in caught]}
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("before", [1, 6])  # right after the step that learned the count, and later
 @pytest.mark.parametrize("name", ["onebit", "zeroone"])
-def test_a_resumed_run_keeps_the_learned_passes_per_step(name):
+def test_a_resumed_run_keeps_the_learned_passes_per_step(name, before):
     """The passes per step live in the optimizer's checkpoint: a resumed loop combines once per step at once.
 
     Before, a resumed run learned them again: its first step warned, and sent a second exchange
     from ``step()`` after the hook's (its first pass was combined in the hook).
     """
-    resumed = run_ranks(_resume, 2, name, False, timeout=200)[0]
+    resumed = run_ranks(_resume, 2, name, before, timeout=200)[0]
     assert resumed["loaded"] == 2
     assert not resumed["warnings"], resumed["warnings"]
-    # one exchange in every step: the first one's collectives as the later ones' (DDP rebuilds its
-    # buckets after the first iteration, so its bytes differ)
-    kinds = {kind for kind, _, _ in resumed["stats"]}
-    assert kinds == {"onebit_momentum"} if name == "onebit" else "local" in kinds
-    if name == "onebit":
-        assert len({collectives for _, _, collectives in resumed["stats"]}) == 1, resumed["stats"]
-        assert len(set(resumed["stats"][1:])) == 1, resumed["stats"]
-    else:  # local steps send nothing, each combined as one: no exchange from step() either
-        assert all(sent == 0 for kind, sent, _ in resumed["stats"] if kind == "local"), resumed["stats"]
+    # one exchange in every step: each kind's steps make the same collectives, the first resumed one
+    # too (DDP rebuilds its buckets after the first iteration, so its bytes may differ)
+    by_kind: dict = {}
+    for kind, _, collectives in resumed["stats"]:
+        by_kind.setdefault(kind, set()).add(collectives)
+    assert all(len(counts) == 1 for counts in by_kind.values()), resumed["stats"]
+    assert ("onebit_momentum" if name == "onebit" else "local") in by_kind
+
+
+def test_loading_a_checkpoint_forgets_that_a_hook_deferred_steps():
+    """A checkpoint without learned passes per step brings back the "no hook ran" warning (the hook sets it again)."""
+    from hf_zeroone import OneBitAdam
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    saved = OneBitAdam(params, lr=1e-3, freeze_step=2).state_dict()
+    opt = OneBitAdam(params, lr=1e-3, freeze_step=2)
+    opt.hook_defers_some_steps = True  # as a hook that learned a count before the load
+    opt.load_state_dict(saved)
+    assert opt.hook_defers_some_steps is False
+    assert "backward_passes_per_step" not in opt.schedule

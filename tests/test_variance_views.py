@@ -156,7 +156,7 @@ def test_scale_samples_count_exactly_the_elements_at_or_above_the_idle_floor():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_scale_samples_mask_the_float_just_below_the_floor_and_keep_the_one_at_it(dtype):
-    """The CPU's multi-tensor mask (``d - below`` signs) against ``masked_fill_(d < floor, 0)``, at the edge."""
+    """An element exactly at its tensor's floor takes part, the float just below it does not (float32 and float64)."""
     from hf_zeroone.optim import _grad_scale
 
     gen = torch.Generator().manual_seed(1)

@@ -210,8 +210,8 @@ class CompressedAdamBase(OptimizerBooks):
             raise RuntimeError(
                 f"{type(self).__name__}: non-finite local gradient on a local step (step "
                 f"{self.schedule['step']}); ranks cannot agree to skip without communicating. "
-                "Lower the learning rate, clip gradients, or use a GradScaler with "
-                "ZeroOneHookState.overflow_check_on_local_steps=True."
+                "Lower the learning rate, clip gradients, or use a GradScaler and pass it to the hook "
+                "(register_zeroone_hook(..., grad_scaler=scaler)): the ranks then agree on overflow and skip together."
             )
         self._apply(kind, updates)
         # after the update: this step's denominators used the gradient scale as it stood before it

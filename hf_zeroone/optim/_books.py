@@ -292,13 +292,31 @@ class OptimizerBooks(Optimizer):
     ) -> list[Tensor]:
         factors = self.scale_factors(group, params) if kind.frozen_variance else None
         v = [self.state[p]["exp_avg_sq"] for p in params]
-        if factors is None or not all(t.dtype == torch.float32 for t in v):
+        if (
+            factors is None
+            or all(f is None for f in factors)
+            or not all(t.dtype == torch.float32 for t in v)
+            or not self._plain_denominators_follow(kind)
+        ):
             return F.denominators(v, c2, group["eps"], factors)
-        # The step will measure its scale samples against the plain denominators, sqrt(v / c2) + eps:
+        # This step will measure its scale samples against the plain denominators, sqrt(v / c2) + eps:
         # one sqrt(v) for both (the plain ones kept in variance_views, where they are looked up)
         roots = list(torch._foreach_sqrt(v))
         self.variance_views.offer(params, v, c2, group["eps"], F.root_denominators(roots, c2, group["eps"]))
         return F.denominators(v, c2, group["eps"], factors, roots=roots)
+
+    def _plain_denominators_follow(self, kind: StepKind) -> bool:
+        """Whether, inside ``step()``, this step's scale samples are still to be taken from local gradients.
+
+        They are on local steps and syncs, and on 1-bit steps that ``step()`` exchanges; after the
+        DDP hook's exchange its samples are taken, and outside ``step()`` (a sync of
+        ``synchronize()``) nothing would release what was kept.
+        """
+        if getattr(self, "_step_denominators", None) is None or not self.follow_gradient_scale:
+            return False
+        if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
+            return True
+        return kind.compressed and self.communicated_step != self.schedule["step"]
 
     def scale_factors(self, group: dict[str, Any], params: Sequence[Tensor]) -> list[Tensor | None] | None:
         """``follow_gradient_scale``'s factor ``f`` of a frozen ``v`` per parameter (``None``: the option is off).
@@ -397,3 +415,5 @@ class OptimizerBooks(Optimizer):
         self.variance_views.clear()
         self._prepared_step = -1
         self.communicated_step = None
+        # a DDP hook says so again at its next call if the loaded schedule holds its passes per step
+        self.hook_defers_some_steps = False

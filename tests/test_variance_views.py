@@ -177,3 +177,45 @@ def test_scale_samples_mask_the_float_just_below_the_floor_and_keep_the_one_at_i
     got = _grad_scale.scale_samples(grads, dens, means, counts, None)
     assert counts.tolist() == [3, 62, 31]
     assert torch.equal(got, torch.stack(want))
+
+
+@pytest.mark.parametrize(
+    ("options", "shared"),
+    [({}, True), ({"clip_to_variance": False}, False), ({"follow_gradient_scale": False}, False)],
+)
+def test_plain_denominators_are_shared_only_where_the_step_reads_them(monkeypatch, options, shared):
+    """One sqrt(v) for the scaled and the plain denominators, offered only where the samples come after.
+
+    Without clipping the samples are taken before the update asks for the scaled denominators: a
+    plain set offered then was never read (4 bytes per parameter held to the end of the step).
+    """
+    from hf_zeroone import OneBitAdam
+    from hf_zeroone.optim._variance_views import VarianceViews
+
+    offered, read = [], []
+    real_offer, real_statistics = VarianceViews.offer, VarianceViews.statistics
+
+    def offer(self, params, *args):
+        offered.append(len(params))
+        return real_offer(self, params, *args)
+
+    def statistics(self, params, *args):
+        read.append(len(params))
+        return real_statistics(self, params, *args)
+
+    monkeypatch.setattr(VarianceViews, "offer", offer)
+    monkeypatch.setattr(VarianceViews, "statistics", statistics)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2, **options)
+    for step in range(6):
+        x = torch.randn(16, 8)
+        model(x).pow(2).mean().backward()
+        if step == 4:
+            offered.clear(), read.clear()
+        opt.step()
+        opt.zero_grad()
+    assert opt.last_step_kind.value == "onebit_momentum"
+    assert bool(offered) is shared
+    if offered:  # each offered set was then looked up by the samples
+        assert read and sum(offered) == sum(read)

@@ -95,8 +95,7 @@ class BackwardPasses:
 
     def _close_step(self, optimizer) -> None:  # noqa: ANN001
         passes, learned = max(self._calls.values(), default=0), known(optimizer)
-        if self._learning:
-            _set_known(optimizer, passes)
+        if self._learning:  # its count is in the schedule already (hands_back wrote it)
             self._short_steps = 0
         elif learned is not None and 0 < passes < learned:
             self._short_steps += 1

@@ -137,9 +137,8 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     switches = dict(args.set)
+    phases = phases_with(switches)
     if switches:
-        global PHASES
-        PHASES = phases_with(switches)
         print(f"every phase with {', '.join(f'{k}={v}' for k, v in switches.items())}")
     torch.set_num_threads(args.threads)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -167,7 +166,7 @@ def main() -> None:
         baselines["AdamW(fused=True)"] = lambda: torch.optim.AdamW(params, lr=1e-3, fused=True)
     if args.profile:
         sending = distributed or args.loopback  # AdamW sends nothing: left out where the others communicate
-        profile({} if sending else baselines, params, args.device, args.loopback)
+        profile({} if sending else baselines, phases, params, args.device, args.loopback)
         if distributed:
             dist.destroy_process_group()
         return
@@ -176,7 +175,7 @@ def main() -> None:
         timings: dict[str, list[float]] = {}
         for name, make in baselines.items():
             timings[name] = time_steps(make(), params, 2, args.steps)
-        for name, (cls, kw, before) in PHASES.items():
+        for name, (cls, kw, before) in phases.items():
             comm = communicator(args.loopback, threaded=True)
             timings[name] = time_steps(cls(params, lr=1e-3, communicator=comm, **kw), params, before, args.steps)
             if comm is not None:
@@ -190,7 +189,7 @@ def communicator(loopback: int, threaded: bool) -> Communicator | None:
     return Communicator._loopback(loopback, threaded=threaded) if loopback else None
 
 
-def profile(baselines: dict, params: list[torch.Tensor], device: str, loopback: int = 0) -> None:
+def profile(baselines: dict, phases: dict, params: list[torch.Tensor], device: str, loopback: int = 0) -> None:
     """One step of each phase under the profiler (``step_sites``): launches, syncs and host time per source line."""
     from step_sites import profile_step, sites_table
 
@@ -198,7 +197,7 @@ def profile(baselines: dict, params: list[torch.Tensor], device: str, loopback: 
     entries = [(name, make, 2) for name, make in baselines.items()]
     entries += [
         (name, lambda c=cls, k=kw: c(params, lr=1e-3, communicator=communicator(loopback, threaded=False), **k), before)
-        for name, (cls, kw, before) in PHASES.items()
+        for name, (cls, kw, before) in phases.items()
     ]
     for name, make, before in entries:
         opt = make()

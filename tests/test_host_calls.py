@@ -95,6 +95,32 @@ def test_sample_statistics_means_are_each_tensors_mean_denominator():
         assert count == max(active, 1) and bool(flag) == (active < d.numel())
 
 
+def test_the_accelerator_form_of_the_active_counts_gives_the_cpu_counts_in_a_few_calls(monkeypatch):
+    """On an accelerator the idle counts of :func:`sample_statistics` are one comparison per shape.
+
+    They are rebuilt on every step where ``v`` moves (exact steps of several ranks, 0/1 Adam's
+    variance updates): on an H200 two launches per tensor, 1,186 of a 394-tensor warm-up step's
+    1,534 (``recipes/bench_step.py --device cuda --profile --loopback 2``).
+    """
+    import hf_zeroone._tensors as T
+
+    dens = [t.abs() for t in _tensors(40, seed=4)] + [torch.tensor(0.5), torch.tensor(0.0)]  # 0-dim too
+    dens[1], dens[2] = dens[1].bfloat16(), dens[2].double()  # compared in their own dtype
+    for d in dens[:20]:
+        d.view(-1)[:1] = 0.0  # idle elements
+    results = {}
+    for forced in (False, True):
+        monkeypatch.setattr(T, "STACK_ON_CPU", forced)
+        results[forced] = sample_statistics(dens, 1e-8)
+    for cpu, accelerator in zip(results[False], results[True]):
+        assert cpu.dtype == accelerator.dtype and torch.equal(cpu, accelerator)
+    assert 0 < int(results[True][2].sum()) < len(dens)
+
+    monkeypatch.setattr(T, "STACK_ON_CPU", True)
+    few, many = (_calls(sample_statistics, [t.abs() for t in _tensors(n, seed=5)]) for n in (6, 120))
+    assert many <= few + 2, f"{few} torch calls for 6 tensors, {many} for 120"
+
+
 def test_the_accelerator_forms_of_the_momentum_lerps_give_the_cpu_forms_bits_in_a_few_calls(monkeypatch):
     """On an accelerator the two lerp loops are multi-tensor calls (checked here on the CPU, forced)."""
     import hf_zeroone._tensors as T

@@ -155,9 +155,29 @@ def sample_statistics(dens: Sequence[Tensor], eps: float = 0.0) -> tuple[Tensor,
     numels = torch.tensor([d.numel() for d in dens], device=dens[0].device)
     # one division for all tensors, as each alone (a count converts to float32 as a Python int would)
     means = torch.stack(torch._foreach_norm(dens, 1)) / numels.clamp(min=1).to(torch.float32)
-    counts = torch.stack([d.ge(floor).sum() for d, floor in zip(dens, idle_floors(means, eps).unbind())])
+    counts = _active_counts(dens, idle_floors(means, eps))
     idle = counts < numels
     return means, counts.to(torch.float32).clamp_(min=1.0), idle
+
+
+def _active_counts(dens: list[Tensor], floors: Tensor) -> Tensor:
+    """Per tensor, how many of its ``d`` are at least its floor (int64), compared in ``d``'s dtype.
+
+    On the CPU one comparison per tensor; on an accelerator one per shape (:func:`shape_groups`),
+    the same integers in a few launches instead of two per tensor.
+    """
+    if not stacks_by_shape(dens[0].device):
+        return torch.stack([d.ge(floor).sum() for d, floor in zip(dens, floors.unbind())])
+    counts: list[Tensor] = [None] * len(dens)  # type: ignore[list-item]
+    each_floor = floors.unbind()
+    for group in shape_groups(dens, range(len(dens))):
+        stacked = torch.stack([dens[i] for i in group])
+        thresholds = per_tensor_operand(each_floor, group, stacked.dim() - 1).to(stacked.dtype)
+        active = stacked.ge(thresholds)
+        rows = active.flatten(1) if active.dim() > 1 else active.unsqueeze(1)  # 0-dim parameters: one element
+        for i, count in zip(group, rows.sum(1).unbind()):
+            counts[i] = count
+    return torch.stack(counts)
 
 
 def scale_samples(

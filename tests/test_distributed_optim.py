@@ -1,5 +1,7 @@
 """OneBitAdam and ZeroOneAdam on several gloo ranks, with and without the DDP hook."""
 
+import math
+
 import pytest
 import torch
 
@@ -185,43 +187,79 @@ def test_a_sync_moves_a_low_variance_element_no_more_than_the_others():
         assert sync[:, 0].max().item() < 3 * sync[:, 1:].max().item()
 
 
-def _scaler_skip_without_hook(rank, world):
-    """0/1 Adam with ``step()`` communicating (no DDP) and a GradScaler; rank 1 overflows on a local step."""
+def _scaler_skip_without_hook(rank, world, kind, bad_step, amp_protocol=True, overflow="loss"):
+    """``step()`` communicating (no DDP) with a GradScaler; rank 1 overflows at iteration ``bad_step``.
+
+    ``overflow``: ``"loss"`` (the loss times inf: inf and NaN gradients) or ``"inf"`` (every gradient +inf).
+    """
     import warnings
 
-    from hf_zeroone import ZeroOneAdam
+    from hf_zeroone import OneBitAdam, ZeroOneAdam
 
     from _workloads import batches, loss_fn, make_model
 
     warnings.simplefilter("ignore")
     model = make_model()
-    opt = ZeroOneAdam(
-        model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2, local_step_scaler=3,
-        local_step_clipper=4, exact_warmup_steps=0, exact_step_dtype="float32",
-    )  # fmt: skip
+    if kind == "zeroone":  # syncs at 6, 7, 8, then 10; local steps between
+        cls = ZeroOneAdam
+        opt_kwargs = dict(
+            var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4, exact_warmup_steps=0,
+        )  # fmt: skip
+    else:  # 1-bit momentum steps from 4
+        cls, opt_kwargs = OneBitAdam, dict(freeze_step=4)
+    if not amp_protocol:  # the scaler unscales and skips step() itself (as before the protocol)
+        cls = type(cls.__name__, (cls,), {"_step_supports_amp_scaling": False})
+    opt = cls(model.parameters(), lr=1e-2, exact_step_dtype="float32", **opt_kwargs)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    steps = []
+    steps, losses, protocol = [], [], []
     for i, (x, y) in enumerate(batches(rank, 12)):
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
-            scaled = scaler.scale(loss_fn(model, x, y))
-        if rank == 1 and i == 9:  # a local step (syncs at 6, 7, 8, then 10)
+            loss = loss_fn(model, x, y)
+        scaled = scaler.scale(loss)
+        if rank == 1 and i == bad_step and overflow == "loss":
             scaled = scaled * float("inf")
         scaled.backward()
+        if rank == 1 and i == bad_step and overflow == "inf":
+            for p in model.parameters():
+                p.grad.fill_(float("inf"))
+        protocol.append(bool(getattr(opt, "_step_supports_amp_scaling", False)))
         scaler.step(opt)
         scaler.update()
         steps.append(opt.schedule["step"])
-    return steps
+        losses.append(float(loss))
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return steps, losses, params, protocol
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="known problem (README): without the hook no rank sees another's skip"
+@pytest.mark.parametrize(
+    ("kind", "bad_step", "overflow"),
+    [("zeroone", 9, "loss"), ("zeroone", 7, "loss"), ("onebit", 7, "loss"), ("onebit", 7, "inf")],
+    ids=["zeroone-local", "zeroone-sync", "onebit-1bit-momentum", "onebit-1bit-momentum-inf"],
 )
-def test_a_gradscaler_skip_on_a_local_step_without_the_hook_keeps_the_ranks_together():
-    """Documents a known problem: without the DDP hook no rank learns of another's skipped local step.
+def test_a_gradscaler_skip_on_one_rank_without_the_hook_skips_on_every_rank(kind, bad_step, overflow):
+    """A GradScaler's overflow on one rank, ``step()`` communicating: every rank skips that step.
 
-    Measured: rank 1 skips step 9 alone, its step counter stays one behind rank 0's for good, and
-    the ranks' syncs pair up one iteration apart; nothing raises.
+    Before, the scaler skipped ``step()`` on the overflowing rank alone: on 0/1 Adam's local step (9)
+    or sync (7) its step counter stayed one behind for good and the syncs paired iterations apart,
+    with no error; on 1-bit Adam's compressed step the other rank's exchange paired with its next
+    step's. Now the scaler calls ``step()`` on every rank (GradScaler's protocol) and the ranks agree.
+    A plain +inf overflow would be bounded by clipping to the variance and step on: it is sent as NaN.
     """
-    steps = run_ranks(_scaler_skip_without_hook, 2, timeout=200)
-    assert steps[0] == steps[1], steps
+    results = run_ranks(_scaler_skip_without_hook, 2, kind, bad_step, True, overflow, timeout=200)
+    (steps0, losses0, params0, protocol0), (steps1, losses1, params1, protocol1) = results
+    assert steps0 == steps1, (steps0, steps1)
+    assert steps0[-1] == 11 and steps0[bad_step] == steps0[bad_step - 1], steps0  # one step skipped, on both
+    assert torch.equal(params0, params1)
+    assert all(map(math.isfinite, losses0 + losses1)) and losses0[-1] < losses0[0]
+    assert all(protocol0) and all(protocol1)
+
+
+def test_a_gradscaler_unscaling_in_step_gives_the_scalers_own_unscaling_bits():
+    """With no overflow, ``step()`` unscaling through the protocol changes no bit of a run."""
+    protocol = run_ranks(_scaler_skip_without_hook, 2, "zeroone", -1, True, timeout=200)
+    scaler_side = run_ranks(_scaler_skip_without_hook, 2, "zeroone", -1, False, timeout=200)
+    for (steps, losses, params, used), (steps_b, losses_b, params_b, used_b) in zip(protocol, scaler_side):
+        assert steps == steps_b == list(range(1, 13))
+        assert losses == losses_b and torch.equal(params, params_b)
+        assert all(used) and not any(used_b)

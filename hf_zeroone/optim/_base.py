@@ -23,6 +23,7 @@ from hf_zeroone._tensors import all_finite
 from hf_zeroone._warnings import user_stacklevel
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _local_phase, _masks
+from hf_zeroone.optim._amp_scaler import agreed_overflow, mark_non_finite, scaler_found_inf, unscale_gradients
 from hf_zeroone.optim._books import UNSET_FREEZE_STEP, OptimizerBooks
 from hf_zeroone.optim._exchange import exchange
 from hf_zeroone.optim._flat import FlatBuffers
@@ -138,6 +139,16 @@ class CompressedAdamBase(OptimizerBooks):
         return kind
 
     # ------------------------------------------------------------------ the step
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether a GradScaler should call :meth:`step` even on an overflow (its protocol; :mod:`._amp_scaler`).
+
+        Only where this step communicates in ``step()`` on several ranks (no hf_zeroone DDP hook ran):
+        a rank that skipped alone would leave the others' exchange unanswered, or its step counter
+        behind theirs. Elsewhere the scaler skips ``step()`` itself, as for AdamW.
+        """
+        return self.comm.is_distributed and self.communicated_step != self.schedule["step"]
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step (communicating first unless a DDP hook already did)."""
@@ -146,6 +157,8 @@ class CompressedAdamBase(OptimizerBooks):
             with torch.enable_grad():
                 loss = closure()
         kind = self.prepare_step()
+        if scaler_found_inf(self) is not None:  # a GradScaler's protocol: the gradients come scaled
+            unscale_gradients((p for g in self.param_groups for p in g["params"]), getattr(self, "grad_scale", None))
         self.grad_generation += 1
         self._step_denominators = {}  # a frozen variance's denominators, computed once per step
         try:
@@ -157,6 +170,16 @@ class CompressedAdamBase(OptimizerBooks):
 
     def _step(self, kind: StepKind, loss: Any) -> Any:  # noqa: ANN401
         hook_done = self.communicated_step == self.schedule["step"]
+        found_inf = scaler_found_inf(self)
+        if found_inf is not None:  # a GradScaler's protocol (._amp_scaler): every rank skips if one overflowed
+            exchanges = kind.communicates_in_backward and not hook_done
+            if exchanges and bool(found_inf.item() > 0):
+                mark_non_finite(p for _, p in self.trainable_params())  # the exchange carries it to every rank
+            elif not exchanges:
+                agree = kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC) and not hook_done and self.comm.is_distributed
+                if agreed_overflow(found_inf, self.comm.allreduce_mean) if agree else bool(found_inf.item() > 0):
+                    self.communicated_step = None
+                    return loss  # as the scaler skips step(): no state changes
         if kind.communicates_in_backward and not hook_done:
             if self.comm.is_distributed and not (self._warned_step_path or self.hook_defers_some_steps):
                 self._warned_step_path = True
@@ -199,6 +222,9 @@ class CompressedAdamBase(OptimizerBooks):
         if not all_finite(v for _, _, v in updates):
             if kind.communicates_in_backward:
                 # Every rank holds the same combined values, so every rank skips together.
+                if found_inf is not None:  # a GradScaler's overflow on some rank: its skip, no warning
+                    self.communicated_step = None
+                    return loss
                 warnings.warn(
                     f"{type(self).__name__}: non-finite values after communication at step "
                     f"{self.schedule['step']} ({kind.value}); step skipped on all ranks, state unchanged",
@@ -215,7 +241,7 @@ class CompressedAdamBase(OptimizerBooks):
             )
         self._apply(kind, updates)
         # after the update: this step's denominators used the gradient scale as it stood before it
-        self.grad_scale.fold(
+        self.gradient_scale.fold(
             kind,
             by_group(updates),
             lambda p: self.state[p],

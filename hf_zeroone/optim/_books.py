@@ -102,7 +102,7 @@ class OptimizerBooks(Optimizer):
             lambda p: self.state[p], self.comm.world_size, self.comm.rank, type(self).__name__
         )
         #: this step's samples of follow_gradient_scale (see ._grad_scale)
-        self.grad_scale = GradientScale()
+        self.gradient_scale = GradientScale()
         #: the denominators and sample statistics of each v, computed once per version (see ._variance_views)
         self.variance_views = VarianceViews()
         self._prepared_step = -1

@@ -99,5 +99,5 @@ def _single_process(opt: Any, kind: StepKind, pairs: list[tuple[dict[str, Any], 
         results += [(group, p, v) for p, v in zip(params, values)]
     if opt.follow_gradient_scale and kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM) and results:
         used = [p for _, p, _ in results]
-        opt.grad_scale.record(used, opt.messages.scale_samples(used, [p.grad for p in used]))
+        opt.gradient_scale.record(used, opt.messages.scale_samples(used, [p.grad for p in used]))
     return results

@@ -186,7 +186,7 @@ def sync(opt: Any, synced: list[tuple[dict[str, Any], Tensor, Tensor]], step: in
     """
     pooled, opt.messages.pending_means = opt.messages.pending_means, {}
     if not opt.comm.is_distributed:  # one process: its own sums are the mean
-        pooled = {p: opt.grad_scale.pending(opt.state[p], p) for _, p, _ in synced}
+        pooled = {p: opt.gradient_scale.pending(opt.state[p], p) for _, p, _ in synced}
     if all_finite(v for _, _, v in synced):
         for group, params, values in by_group(synced):
             states = [opt.state[p] for p in params]
@@ -195,7 +195,7 @@ def sync(opt: Any, synced: list[tuple[dict[str, Any], Tensor, Tensor]], step: in
             apply_sync(params, states, values, c1, dens)
         if opt.follow_gradient_scale:  # the interval's gradient scale, pooled over ranks: the same G everywhere
             items = [(g, p, pooled[p]) for g, p, _ in synced if p in pooled]
-            opt.grad_scale.fold_pending(by_group(items), lambda p: opt.state[p], opt.schedule)
+            opt.gradient_scale.fold_pending(by_group(items), lambda p: opt.state[p], opt.schedule)
         return
     # The combined u is identical on every rank, so every rank takes this branch.
     warnings.warn(

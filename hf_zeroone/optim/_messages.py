@@ -189,7 +189,7 @@ class Messages:
         ):
             parts.append(self.scale_samples(params, grads))
         if kind is StepKind.ONEBIT_SYNC and self.opt.follow_gradient_scale:  # the interval's local samples
-            parts.append(torch.stack([self.opt.grad_scale.pending(self.opt.state[p], p) for p in params]))
+            parts.append(torch.stack([self.opt.gradient_scale.pending(self.opt.state[p], p) for p in params]))
         if kind.compressed:
             parts += [_masks.activity_flags(self.opt.state[p]) for p in params if "momentum_mask" in self.opt.state[p]]
         if not parts:
@@ -229,12 +229,12 @@ class Messages:
         if opt.follow_gradient_scale and (
             kind.communicates_in_backward and (kind.compressed or opt.comm.is_distributed)
         ):
-            opt.grad_scale.record(params, rest[:n])
+            opt.gradient_scale.record(params, rest[:n])
             rest = rest[n:]
             if kind is StepKind.EXACT:
                 if loss_scale is not None:
                     views = [v / loss_scale.to(device=v.device, dtype=v.dtype) for v in views]
-                opt.grad_scale.record_averaged(params, self.scale_samples(params, views))
+                opt.gradient_scale.record_averaged(params, self.scale_samples(params, views))
         if kind is StepKind.ONEBIT_SYNC and opt.follow_gradient_scale:
             self.pending_means.update(zip(params, rest[:n].unbind()))
             rest = rest[n:]
@@ -344,7 +344,7 @@ class Messages:
             clipped = norm_left(float32_norms([values[i] for i in measured]), torch.stack(handed).to(torch.float32))
             chosen = [params[i] for i in measured]
             for p, kept in zip(chosen, kept_fraction(clipped).unbind()):
-                self.opt.grad_scale.note_kept(p, kept)
+                self.opt.gradient_scale.note_kept(p, kept)
             self._clip_fractions.append((chosen, clipped))
         if index:
             for i, value in zip(index, apply_per_tensor("div", [values[i] for i in index], factors, in_place=False)):

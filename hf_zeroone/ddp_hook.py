@@ -150,8 +150,12 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     # not bucket.gradients(): it views a gradient that DDP keeps in its parameter's memory order (a
     # transposed weight, channels_last) row-major, that is transposed
     params = bucket.parameters()
-    grads = consecutive_views(params, buffer)
     scale = state.loss_scale()
+    if scale is not None and kind.compressed:
+        # A GradScaler's overflow can be a plain inf, which clipping to the variance would bound to
+        # a finite message: as NaN it reaches every rank's result, and every rank's scaler skips
+        buffer.masked_fill_(non_finite_flag(buffer) > 0, float("nan"))
+    grads = consecutive_views(params, buffer)
     if scale is not None:  # messages in unscaled units
         grads = [g.div(scale.to(device=g.device, dtype=g.dtype)) for g in grads]
     if kind is StepKind.EXACT:

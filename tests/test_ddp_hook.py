@@ -286,6 +286,58 @@ def test_overflow_on_one_rank_makes_every_rank_skip(name, told):
     assert len(skipped) < len(res[0])  # training went on
 
 
+def _inf_overflow(rank, world, name):
+    """Hook + GradScaler; every gradient of rank 1 is a plain +inf on the first two compressed steps."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone.ddp_hook import register_zeroone_hook
+
+    from _workloads import batches, flat_params, loss_fn, make_model
+
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    opt = _opt(name, ddp.parameters(), **({"freeze_step": 2} if name == "onebit" else {"var_freeze_step": 12}))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    register_zeroone_hook(ddp, opt, grad_scaler=scaler)
+    record, compressed = [], 0
+    for i, (x, y) in enumerate(batches(rank, 10)):
+        opt.zero_grad()
+        kind = opt.next_step_kind()
+        bad = kind.compressed and compressed < 2
+        compressed += kind.compressed
+        handles = []
+        if bad and rank == 1:  # an overflow that is inf alone, no NaN (as in the backward of a huge loss)
+            handles = [p.register_hook(lambda g: torch.full_like(g, float("inf"))) for p in model.parameters()]
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(ddp, x, y)
+        scaler.scale(loss).backward()
+        for h in handles:
+            h.remove()
+        before = opt.schedule["step"]
+        scaler.step(opt)
+        scaler.update()
+        record.append((i, kind.value, bad, opt.schedule["step"] - before))
+    return record, flat_params(model), scaler.get_scale()
+
+
+@pytest.mark.parametrize("name", ["onebit", "zeroone"])
+def test_a_plain_inf_overflow_on_one_rank_is_skipped_on_every_rank(name):
+    """Clipping to the variance bounded a +inf gradient in the hook's 1-bit message: the step went on.
+
+    The ranks stayed identical, but a step the scaler should have skipped was taken with a
+    clipped message, and the scaler did not back off. The hook now sends such a bucket as NaN.
+    """
+    (rec0, params0, scale0), (rec1, params1, scale1) = run_ranks(_inf_overflow, 2, name, timeout=200)
+    assert [r[:2] for r in rec0] == [r[:2] for r in rec1]
+    bad = [r for r in rec0 if r[2]]
+    assert len(bad) == 2 and all(kind.startswith("onebit") for _, kind, _, _ in bad), rec0
+    for (i, kind, was_bad, adv0), (_, _, _, adv1) in zip(rec0, rec1):
+        assert adv0 == adv1 == (0 if was_bad else 1), (i, kind, adv0, adv1)
+    assert torch.equal(params0, params1) and torch.isfinite(params0).all()
+    assert scale1 < 2.0**8
+
+
 def _with_scaler(rank, world, init_scale, growth):
     """Train with the hook and a GradScaler; the loss scale must not change the trajectory."""
     import torch

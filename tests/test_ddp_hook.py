@@ -287,15 +287,19 @@ def test_overflow_on_one_rank_makes_every_rank_skip(name, told):
 
 
 def _inf_overflow(rank, world, name):
-    """Hook + GradScaler; every gradient of rank 1 is a plain +inf on the first two compressed steps."""
+    """Hook + GradScaler; every gradient of rank 1 is a plain +inf on the first two compressed steps.
+
+    The model has an embedding whose rows 1.. never get a gradient (masked rows).
+    """
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hf_zeroone.ddp_hook import register_zeroone_hook
+    from hf_zeroone.optim import _masks
 
     from _workloads import batches, flat_params, loss_fn, make_model
 
-    model = make_model()
+    model = make_model(embedding_rows=10)
     ddp = DDP(model, bucket_cap_mb=0.004)
     opt = _opt(name, ddp.parameters(), **({"freeze_step": 2} if name == "onebit" else {"var_freeze_step": 12}))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
@@ -318,7 +322,9 @@ def _inf_overflow(rank, world, name):
         scaler.step(opt)
         scaler.update()
         record.append((i, kind.value, bad, opt.schedule["step"] - before))
-    return record, flat_params(model), scaler.get_scale()
+    state = opt.state[model.extra.weight]
+    masked = int(_masks.masked_rows(state).sum()) if "momentum_mask" in state else 0
+    return record, flat_params(model), scaler.get_scale(), masked
 
 
 @pytest.mark.parametrize("name", ["onebit", "zeroone"])
@@ -326,9 +332,10 @@ def test_a_plain_inf_overflow_on_one_rank_is_skipped_on_every_rank(name):
     """Clipping to the variance bounded a +inf gradient in the hook's 1-bit message: the step went on.
 
     The ranks stayed identical, but a step the scaler should have skipped was taken with a
-    clipped message, and the scaler did not back off. The hook now sends such a bucket as NaN.
+    clipped message, and the scaler did not back off. The hook now sends such a bucket as NaN, which
+    must not count as activity in masked rows (the embedding's 9 unseen rows stay masked).
     """
-    (rec0, params0, scale0), (rec1, params1, scale1) = run_ranks(_inf_overflow, 2, name, timeout=200)
+    (rec0, params0, scale0, masked0), (rec1, params1, scale1, masked1) = run_ranks(_inf_overflow, 2, name, timeout=200)
     assert [r[:2] for r in rec0] == [r[:2] for r in rec1]
     bad = [r for r in rec0 if r[2]]
     assert len(bad) == 2 and all(kind.startswith("onebit") for _, kind, _, _ in bad), rec0
@@ -336,6 +343,7 @@ def test_a_plain_inf_overflow_on_one_rank_is_skipped_on_every_rank(name):
         assert adv0 == adv1 == (0 if was_bad else 1), (i, kind, adv0, adv1)
     assert torch.equal(params0, params1) and torch.isfinite(params0).all()
     assert scale1 < 2.0**8
+    assert masked0 == masked1 == 9
 
 
 def _with_scaler(rank, world, init_scale, growth):

@@ -187,19 +187,21 @@ def test_a_sync_moves_a_low_variance_element_no_more_than_the_others():
         assert sync[:, 0].max().item() < 3 * sync[:, 1:].max().item()
 
 
-def _scaler_skip_without_hook(rank, world, kind, bad_step, amp_protocol=True, overflow="loss"):
-    """``step()`` communicating (no DDP) with a GradScaler; rank 1 overflows at iteration ``bad_step``.
+def _scaler_skip_without_hook(rank, world, kind, bad_steps, amp_protocol=True, overflow="loss", unscale_first=False):
+    """``step()`` communicating (no DDP) with a GradScaler; rank 1 overflows at the iterations ``bad_steps``.
 
-    ``overflow``: ``"loss"`` (the loss times inf: inf and NaN gradients) or ``"inf"`` (every gradient +inf).
+    ``overflow``: ``"loss"`` (the loss times inf: inf and NaN gradients) or ``"inf"`` (every gradient
+    +inf). ``unscale_first``: the user unscales and clips before ``scaler.step``. The model has an
+    embedding whose rows 1.. never get a gradient (masked from the freeze on).
     """
     import warnings
 
     from hf_zeroone import OneBitAdam, ZeroOneAdam
+    from hf_zeroone.optim import _masks
 
     from _workloads import batches, loss_fn, make_model
 
-    warnings.simplefilter("ignore")
-    model = make_model()
+    model = make_model(embedding_rows=10)
     if kind == "zeroone":  # syncs at 6, 7, 8, then 10; local steps between
         cls = ZeroOneAdam
         opt_kwargs = dict(
@@ -212,24 +214,32 @@ def _scaler_skip_without_hook(rank, world, kind, bad_step, amp_protocol=True, ov
     opt = cls(model.parameters(), lr=1e-2, exact_step_dtype="float32", **opt_kwargs)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     steps, losses, protocol = [], [], []
-    for i, (x, y) in enumerate(batches(rank, 12)):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_fn(model, x, y)
-        scaled = scaler.scale(loss)
-        if rank == 1 and i == bad_step and overflow == "loss":
-            scaled = scaled * float("inf")
-        scaled.backward()
-        if rank == 1 and i == bad_step and overflow == "inf":
-            for p in model.parameters():
-                p.grad.fill_(float("inf"))
-        protocol.append(bool(getattr(opt, "_step_supports_amp_scaling", False)))
-        scaler.step(opt)
-        scaler.update()
-        steps.append(opt.schedule["step"])
-        losses.append(float(loss))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, (x, y) in enumerate(batches(rank, max(12, max(bad_steps, default=0) + 3))):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(model, x, y)
+            scaled = scaler.scale(loss)
+            if rank == 1 and i in bad_steps and overflow == "loss":
+                scaled = scaled * float("inf")
+            scaled.backward()
+            if rank == 1 and i in bad_steps and overflow == "inf":
+                for p in model.parameters():
+                    p.grad.fill_(float("inf"))
+            if unscale_first:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            protocol.append(bool(getattr(opt, "_step_supports_amp_scaling", False)))
+            scaler.step(opt)
+            scaler.update()
+            steps.append(opt.schedule["step"])
+            losses.append(float(loss))
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return steps, losses, params, protocol
+    state = opt.state[model.extra.weight]
+    masked = int(_masks.masked_rows(state).sum()) if "momentum_mask" in state else 0
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return steps, losses, params, protocol, masked, said
 
 
 @pytest.mark.parametrize(
@@ -244,22 +254,37 @@ def test_a_gradscaler_skip_on_one_rank_without_the_hook_skips_on_every_rank(kind
     or sync (7) its step counter stayed one behind for good and the syncs paired iterations apart,
     with no error; on 1-bit Adam's compressed step the other rank's exchange paired with its next
     step's. Now the scaler calls ``step()`` on every rank (GradScaler's protocol) and the ranks agree.
-    A plain +inf overflow would be bounded by clipping to the variance and step on: it is sent as NaN.
+    A plain +inf overflow would be bounded by clipping to the variance and step on: it is sent as
+    NaN, which must not count as activity in the embedding's masked rows (it released all 9).
     """
-    results = run_ranks(_scaler_skip_without_hook, 2, kind, bad_step, True, overflow, timeout=200)
-    (steps0, losses0, params0, protocol0), (steps1, losses1, params1, protocol1) = results
+    results = run_ranks(_scaler_skip_without_hook, 2, kind, {bad_step}, True, overflow, timeout=200)
+    (steps0, losses0, params0, protocol0, masked0, said0), (steps1, losses1, params1, protocol1, masked1, said1) = (
+        results
+    )
     assert steps0 == steps1, (steps0, steps1)
     assert steps0[-1] == 11 and steps0[bad_step] == steps0[bad_step - 1], steps0  # one step skipped, on both
     assert torch.equal(params0, params1)
     assert all(map(math.isfinite, losses0 + losses1)) and losses0[-1] < losses0[0]
     assert all(protocol0) and all(protocol1)
+    assert masked0 == masked1 == 9
+    assert not said0 and not said1  # a scaler's skip, not a warning
 
 
-def test_a_gradscaler_unscaling_in_step_gives_the_scalers_own_unscaling_bits():
-    """With no overflow, ``step()`` unscaling through the protocol changes no bit of a run."""
-    protocol = run_ranks(_scaler_skip_without_hook, 2, "zeroone", -1, True, timeout=200)
-    scaler_side = run_ranks(_scaler_skip_without_hook, 2, "zeroone", -1, False, timeout=200)
-    for (steps, losses, params, used), (steps_b, losses_b, params_b, used_b) in zip(protocol, scaler_side):
+def test_non_finite_results_under_a_gradscaler_warn_once_they_last():
+    """Skips as scaler overflows are silent, but 20 in a row say that something else is non-finite."""
+    results = run_ranks(_scaler_skip_without_hook, 2, "onebit", set(range(5, 30)), True, "loss", timeout=200)
+    for steps, _, params, _, _, said in results:
+        assert steps[-1] == 5 + (len(steps) - 30)  # none taken from the 6th step to the 30th
+        assert len(said) == 1 and "20 steps in a row" in said[0], said
+        assert torch.isfinite(params).all()
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["scaler-unscales", "user-unscales-and-clips"])
+def test_a_gradscaler_unscaling_in_step_gives_the_scalers_own_unscaling_bits(unscale_first):
+    """With no overflow, the protocol changes no bit of a run (``step()`` unscales, or the user did)."""
+    protocol = run_ranks(_scaler_skip_without_hook, 2, "zeroone", set(), True, "loss", unscale_first, timeout=200)
+    scaler_side = run_ranks(_scaler_skip_without_hook, 2, "zeroone", set(), False, "loss", unscale_first, timeout=200)
+    for (steps, losses, params, used, *_), (steps_b, losses_b, params_b, used_b, *_) in zip(protocol, scaler_side):
         assert steps == steps_b == list(range(1, 13))
         assert losses == losses_b and torch.equal(params, params_b)
         assert all(used) and not any(used_b)

@@ -48,6 +48,12 @@ def unscale_gradients(params: Iterable[Tensor], grad_scale: Tensor | None) -> No
 
     ``None``: already unscaled (the user called ``scaler.unscale_``, e.g. to clip), nothing to do.
     """
+    params = list(params)
+    if any(p.grad is not None and p.grad.dtype == torch.float16 for p in params):
+        raise ValueError(
+            "GradScaler cannot unscale fp16 gradients (parameters in fp16, e.g. model.half()): keep the "
+            "parameters in fp32 under torch.autocast, or use bf16 parameters without a GradScaler"
+        )
     if grad_scale is None:
         return
     inv_scale = grad_scale.double().reciprocal().float()  # as GradScaler computes it

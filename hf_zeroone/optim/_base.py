@@ -32,6 +32,9 @@ from hf_zeroone.optim._step_kind import StepKind
 
 __all__ = ["UNSET_FREEZE_STEP", "CompressedAdamBase", "FlatBuffers", "StepKind"]
 
+#: steps skipped in a row as GradScaler overflows (non-finite combined values) before a warning says so
+SKIPS_BEFORE_WARNING = 20
+
 
 class CompressedAdamBase(OptimizerBooks):
     """Adam with a communication schedule; subclasses define the schedule.
@@ -223,6 +226,17 @@ class CompressedAdamBase(OptimizerBooks):
             if kind.communicates_in_backward:
                 # Every rank holds the same combined values, so every rank skips together.
                 if found_inf is not None:  # a GradScaler's overflow on some rank: its skip, no warning
+                    self._scaler_skips_in_a_row += 1
+                    if self._scaler_skips_in_a_row % SKIPS_BEFORE_WARNING == 0:  # not a scaler finding its scale
+                        warnings.warn(
+                            f"{type(self).__name__}: non-finite values after communication on "
+                            f"{self._scaler_skips_in_a_row} steps in a row (step {self.schedule['step']}, "
+                            f"{kind.value}), each skipped on all ranks as a GradScaler overflow; if no rank's "
+                            "loss scale keeps falling, the non-finite values come from elsewhere (the "
+                            "model's parameters or inputs)",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
                     self.communicated_step = None
                     return loss
                 warnings.warn(
@@ -239,6 +253,7 @@ class CompressedAdamBase(OptimizerBooks):
                 "Lower the learning rate, clip gradients, or use a GradScaler and pass it to the hook "
                 "(register_zeroone_hook(..., grad_scaler=scaler)): the ranks then agree on overflow and skip together."
             )
+        self._scaler_skips_in_a_row = 0
         self._apply(kind, updates)
         # after the update: this step's denominators used the gradient scale as it stood before it
         self.gradient_scale.fold(

@@ -120,6 +120,8 @@ class OptimizerBooks(Optimizer):
         self.last_step_stats = CommStats()
         self.last_step_kind: StepKind | None = None
         self._warned_step_path = False
+        #: steps skipped in a row on non-finite combined values under a GradScaler's protocol (._amp_scaler)
+        self._scaler_skips_in_a_row = 0
         self.check_replicas_every = check_replicas_every
         self._syncs_since_check = 0
         #: what each rank sends and what the combined results become (hook and step() alike)

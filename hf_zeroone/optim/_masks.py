@@ -67,10 +67,14 @@ def index_masked_rows(state: dict[str, Any]) -> None:
 
 
 def note_activity(state: dict[str, Any], grad: Tensor) -> None:
-    """Remember the masked rows in which this rank's local gradient is non-zero."""
+    """Remember the masked rows in which this rank's local gradient is non-zero.
+
+    NaN is not activity: a GradScaler's overflow is sent as NaN (and its step skipped on every
+    rank), and counted as activity it would release every masked row at the next step.
+    """
     if "momentum_mask" not in state or grad is None:
         return
-    active = (rows(grad) != 0).any(dim=1) & masked_rows(state)
+    active = (rows(grad).abs() > 0).any(dim=1) & masked_rows(state)
     pending = state.get("pending_rows")
     state["pending_rows"] = active if pending is None else pending | active
 

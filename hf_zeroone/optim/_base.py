@@ -235,7 +235,7 @@ class CompressedAdamBase(OptimizerBooks):
                             "loss scale keeps falling, the non-finite values come from elsewhere (the "
                             "model's parameters or inputs)",
                             RuntimeWarning,
-                            stacklevel=2,
+                            stacklevel=user_stacklevel(),
                         )
                     self.communicated_step = None
                     return loss

@@ -74,7 +74,8 @@ def note_activity(state: dict[str, Any], grad: Tensor) -> None:
     """
     if "momentum_mask" not in state or grad is None:
         return
-    active = (rows(grad).abs() > 0).any(dim=1) & masked_rows(state)
+    r = rows(grad)
+    active = ((r > 0) | (r < 0)).any(dim=1) & masked_rows(state)  # bool temporaries, not a copy of the gradient
     pending = state.get("pending_rows")
     state["pending_rows"] = active if pending is None else pending | active
 

@@ -178,8 +178,8 @@ class CompressedAdamBase(OptimizerBooks):
             exchanges = kind.communicates_in_backward and not hook_done
             if exchanges and bool(found_inf.item() > 0):
                 mark_non_finite(p for _, p in self.trainable_params())  # the exchange carries it to every rank
-            elif not exchanges:
-                agree = kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC) and not hook_done and self.comm.is_distributed
+            elif not exchanges:  # a local step or sync: ranks that step alone agree first
+                agree = self.comm.is_distributed and not hook_done
                 if agreed_overflow(found_inf, self.comm.allreduce_mean) if agree else bool(found_inf.item() > 0):
                     self.communicated_step = None
                     return loss  # as the scaler skips step(): no state changes

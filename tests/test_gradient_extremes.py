@@ -131,6 +131,22 @@ def test_an_overflowed_mean_square_norm_leaves_the_implied_gradient_as_it_is():
     assert views[1].tolist() == [2.0] * 4
 
 
+def test_an_implied_gradient_too_small_to_rescale_is_left_as_it_is():
+    """A subnormal norm made the factor ``root / norm`` overflow: the view became inf, and the step was skipped.
+
+    Seen on a one-element bias whose 1-bit momentum decayed to 1e-45 (a loopback run); any
+    momentum that small would have skipped every step from there on.
+    """
+    from hf_zeroone.optim._functional import norm_proxy_factors
+
+    tiny = torch.tensor([-1.2612e-44])  # subnormal in float32
+    views = [tiny.clone(), torch.full((4,), 2.0)]
+    (factor, handed), (factor2, handed2) = norm_proxy_factors(views, torch.tensor([0.2138, 64.0]))
+    assert (float(factor), float(handed)) == (1.0, float(tiny.abs()))
+    assert torch.equal(views[0], tiny)
+    assert (float(factor2), float(handed2)) == (2.0, 8.0)
+
+
 def _late_layer(rank, world_size, name, start, how="used"):
     torch.manual_seed(0)
     first, late = torch.nn.Linear(16, 4), torch.nn.Linear(4, 4)

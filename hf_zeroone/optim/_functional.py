@@ -290,18 +290,19 @@ def norm_proxy_factors(views: Sequence[Tensor], mean_sq_norms: Tensor) -> list[t
     """Rescale each implied gradient in place to the norm ``sqrt(mean_sq_norms[i])``.
 
     Returns, per tensor, the factor applied and the norm handed on (the view's own norm where the
-    factor is 1: a zero, non-finite or missing norm leaves the view as it is). The per-tensor
-    norms and factors are computed as vectors (a few calls for all tensors), the views scaled by
-    :func:`~hf_zeroone._tensors.apply_per_tensor`.
+    factor is 1: a zero, non-finite or missing norm, or one so small that the factor overflows,
+    leaves the view as it is). The per-tensor norms and factors are computed as vectors (a few
+    calls for all tensors), the views scaled by :func:`~hf_zeroone._tensors.apply_per_tensor`.
     """
     views = list(views)
     if not views:
         return []
     norms = float32_norms(views)
     mean_sq = mean_sq_norms.to(device=norms.device, dtype=torch.float32)
-    ok = (norms > 0) & (mean_sq > 0) & torch.isfinite(norms) & torch.isfinite(mean_sq)
     root = mean_sq.sqrt()
-    factors = torch.where(ok, root / norms, torch.ones_like(norms))
+    ratio = root / norms  # inf for a subnormal norm: such a view is left as it is too
+    ok = (norms > 0) & (mean_sq > 0) & torch.isfinite(norms) & torch.isfinite(ratio)
+    factors = torch.where(ok, ratio, torch.ones_like(norms))
     handed = torch.where(ok, root, norms)
     factor_list = list(factors.unbind())
     apply_per_tensor("mul", views, factor_list, in_place=True)

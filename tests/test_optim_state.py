@@ -253,3 +253,27 @@ def test_a_server_error_that_does_not_fit_the_parameter_is_refused():
     sd["state"][0]["server_error_start"] = 3
     with pytest.raises(ValueError, match="server_error for a parameter of shape \\(6,\\) covers elements 3 to 7"):
         OneBitAdam([p], freeze_step=1).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
+@pytest.mark.parametrize("saved_shape", [(3, 4), (1, 20), (20,)])
+def test_a_checkpoint_of_another_models_shapes_is_refused_and_nothing_is_loaded(cls, saved_shape):
+    """It loaded (torch checks only the number of parameters), replaced the state, and failed at the next step."""
+    kw = {"freeze_step": 2} if cls is OneBitAdam else {"var_freeze_step": 2}
+    saved = torch.nn.Parameter(torch.zeros(saved_shape))
+    opt_saved = cls([saved], lr=1e-2, **kw)
+    for _ in range(3):
+        saved.grad = torch.ones(saved_shape)
+        opt_saved.step()
+    p = torch.nn.Parameter(torch.zeros(5, 4))
+    opt = cls([p], lr=1e-2, **kw)
+    p.grad = torch.ones(5, 4)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 0 has shape .*but that parameter has shape \(5, 4\)"):
+        opt.load_state_dict(opt_saved.state_dict())
+    assert opt.schedule["step"] == 1
+    assert all(torch.equal(opt.state[p][k], v) for k, v in before.items())
+    p.grad = torch.ones(5, 4)
+    opt.step()  # trains on as before
+    assert opt.schedule["step"] == 2

@@ -67,6 +67,7 @@ def split_for_torch(opt: Any, state_dict: dict[str, Any]) -> tuple[dict[str, Any
             "Resuming on another schedule would restart phases whose state is gone; build the optimizer "
             f"with the checkpoint's values ({fix}), e.g. pass them explicitly to the Trainer, or start afresh."
         )
+    _check_shapes(opt, state_dict)
     states = {
         k: {n: v for n, v in st.items() if n not in _grad_scale.LEGACY_KEYS} for k, st in state_dict["state"].items()
     }
@@ -108,3 +109,32 @@ def split_for_torch(opt: Any, state_dict: dict[str, Any]) -> tuple[dict[str, Any
         opt.schedule.setdefault("variance_steps", opt.schedule["variance_updates"])
 
     return state_dict, restore
+
+
+#: per-parameter state entries shaped like their parameter
+_PARAMETER_SHAPED = ("exp_avg", "exp_avg_sq", "worker_error", "momentum_mask", "sync_param")
+
+
+def _check_shapes(opt: Any, state_dict: dict[str, Any]) -> None:  # noqa: ANN401 - a CompressedAdamBase
+    """``ValueError`` before anything is loaded if a saved state entry's shape is not its parameter's.
+
+    Torch pairs saved and current parameters by position and checks only their number; a
+    checkpoint of another model then loaded, replaced the state, and failed at the next step.
+    Groups of other lengths are left to torch, which refuses them.
+    """
+    groups = state_dict.get("param_groups", [])
+    if len(groups) != len(opt.param_groups) or any(
+        len(saved["params"]) != len(mine["params"]) for saved, mine in zip(groups, opt.param_groups)
+    ):
+        return
+    saved_ids = [i for g in groups for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for index, (saved_id, p) in enumerate(zip(saved_ids, params)):
+        for key, value in state_dict["state"].get(saved_id, {}).items():
+            if key in _PARAMETER_SHAPED and isinstance(value, torch.Tensor) and value.shape != p.shape:
+                raise ValueError(
+                    f"{type(opt).__name__}: the checkpoint's {key!r} of parameter {index} has shape "
+                    f"{tuple(value.shape)}, but that parameter has shape {tuple(p.shape)}: the checkpoint "
+                    "belongs to another model (or its parameters in another order). Nothing was loaded; "
+                    "build the optimizer from the model the checkpoint was saved with."
+                )

@@ -89,6 +89,10 @@ class CommStats:
     full_allreduces: int = 0
     compressed_allreduces: int = 0
     fp32_equivalent_bytes: int = 0
+    #: the one-time check that every rank built the optimizer alike (:meth:`Communicator.gather_setup`),
+    #: not in ``bytes_sent`` and ``collectives``, which count the training's traffic
+    setup_bytes: int = 0
+    setup_collectives: int = 0
 
     def copy(self) -> CommStats:
         return CommStats(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -303,6 +307,29 @@ class Communicator:
                 "drifted apart: a rank stepped differently (a skipped step on one rank, non-deterministic "
                 "kernels, or a bug). Stop and restart from the last checkpoint; report it if it repeats."
             )
+
+    def gather_setup(self, values: Tensor) -> Tensor:
+        """Every rank's ``values`` (a short 1-D float64 vector, as long on every rank), as rows in rank order.
+
+        One all-gather, for checks before training that the ranks agree
+        (:mod:`hf_zeroone.optim._agreement`); counted in ``stats.setup_bytes`` and
+        ``stats.setup_collectives``, apart from the training's traffic. One rank: its own row.
+        """
+        if values.dim() != 1 or values.dtype != torch.float64:
+            raise ValueError(f"gather_setup takes a 1-D float64 tensor, got {values.dtype} {tuple(values.shape)}")
+        if not self.is_distributed:
+            return values.reshape(1, -1).clone()
+        local = values.to(collective_device(self._coll.backend, values.device)).contiguous()
+        gathered = torch.empty(self.world_size, local.numel(), dtype=local.dtype, device=local.device)
+        self.stats.setup_bytes += (self.world_size - 1) * local.numel() * local.element_size()
+        self.stats.setup_collectives += 1
+        coll = self._coll
+
+        def job() -> Tensor:
+            coll.all_gather(list(gathered.unbind(0)), local)
+            return gathered
+
+        return self._submit(job, (local, gathered)).wait().cpu()
 
     def float8_allreduce_async(
         self, tensor: Tensor, sizes: Sequence[int] | None = None, exact: Tensor | None = None

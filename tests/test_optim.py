@@ -254,6 +254,27 @@ def test_bad_common_hyperparameters(cls, kwargs, match):
 
 
 @pytest.mark.parametrize(
+    "group, match",
+    [
+        (dict(lr=-1.0), "lr must be"),
+        (dict(lr=torch.tensor(0.01)), "lr must be a float"),  # failed in 0/1 Adam's first sync, half-applied
+        (dict(betas=(1.5, 0.999)), r"betas\[0\]"),
+        (dict(eps="x"), "eps must be"),
+        (dict(weight_decay=-0.1), "weight_decay must be"),
+    ],
+)
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
+def test_a_parameter_group_is_checked_as_the_constructor_checks(cls, group, match):
+    """Groups were accepted as they came; a bad one trained silently or failed in the middle of a step."""
+    with pytest.raises(ValueError, match=f"in a parameter group, {match}"):
+        cls([{"params": [torch.nn.Parameter(torch.zeros(2))], **group}])
+    opt = cls([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match=f"in a parameter group, {match}"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], **group})
+    assert len(opt.param_groups) == 1  # refused, not added
+
+
+@pytest.mark.parametrize(
     "cls, kwargs, match",
     [
         (OneBitAdam, dict(freeze_step=-1), "freeze_step must be an integer >= 1"),

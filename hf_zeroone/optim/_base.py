@@ -21,8 +21,8 @@ from torch import Tensor
 
 from hf_zeroone._tensors import all_finite
 from hf_zeroone._warnings import user_stacklevel
+from hf_zeroone.optim import _agreement, _local_phase, _masks
 from hf_zeroone.optim import _functional as F
-from hf_zeroone.optim import _local_phase, _masks
 from hf_zeroone.optim._amp_scaler import agreed_overflow, mark_non_finite, scaler_found_inf, unscale_gradients
 from hf_zeroone.optim._books import UNSET_FREEZE_STEP, OptimizerBooks
 from hf_zeroone.optim._exchange import exchange
@@ -105,6 +105,9 @@ class CompressedAdamBase(OptimizerBooks):
 
         Called by :meth:`step` and by the DDP hook before it computes messages.
         """
+        if not self._ranks_agree and self.comm.is_distributed:
+            _agreement.check_ranks_agree(self)  # before this step's first collective: a mismatch raises, no hang
+            self._ranks_agree = True
         kind = self.next_step_kind()
         if self._prepared_step == self.schedule["step"]:
             return kind

@@ -106,6 +106,8 @@ class OptimizerBooks(Optimizer):
         #: the denominators and sample statistics of each v, computed once per version (see ._variance_views)
         self.variance_views = VarianceViews()
         self._prepared_step = -1
+        #: whether the ranks' settings were compared (:mod:`._agreement`), at the first step after a build or a load
+        self._ranks_agree = False
         self._group_of: dict[int, dict[str, Any]] | None = None
         #: set by a DDP hook: the step whose results are already in ``p.grad``
         self.communicated_step: int | None = None
@@ -207,7 +209,11 @@ class OptimizerBooks(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         if hasattr(self, "schedule"):  # not during __init__
-            check_param_group(self.param_groups[-1], type(self).__name__)
+            try:
+                check_param_group(self.param_groups[-1], type(self).__name__)
+            except ValueError:
+                self.param_groups.pop()  # refused: the optimizer stays as it was
+                raise
             self.flat_cache.clear()
             self._group_of = None
 
@@ -419,6 +425,7 @@ class OptimizerBooks(Optimizer):
         self.flat_cache.clear()
         self.variance_views.clear()
         self._prepared_step = -1
+        self._ranks_agree = False  # every rank loads: the next step compares the loaded settings
         self.communicated_step = None
         # a DDP hook says so again at its next call if the loaded schedule holds its passes per step
         self.hook_defers_some_steps = False

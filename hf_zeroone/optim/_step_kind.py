@@ -111,16 +111,24 @@ def check_exact_step_dtype(value: Any) -> torch.dtype | None:  # noqa: ANN401
         return None
     dtype = EXACT_STEP_DTYPES.get(value.removeprefix("torch.")) if isinstance(value, str) else value
     if dtype not in EXACT_STEP_DTYPES.values():
+        fp16 = dtype is torch.float16 or value in ("float16", "half", "fp16")
         raise ValueError(
             f"exact_step_dtype must be torch.float32, torch.bfloat16 or torch.float8_e4m3fn (or their names, or "
-            f"None for the gradients' own precision), got {value!r}; float16 is refused: an fp16 sum of "
-            "gradients can overflow"
+            f"None for the gradients' own precision), got {value!r}"
+            + ("; float16 is refused: an fp16 sum of gradients can overflow" if fp16 else "")
         )
     return dtype
 
 
 def check_param_group(group: dict[str, Any], owner: str) -> None:
-    """Raise ``ValueError`` for what a compressed optimizer cannot train: sparse or complex parameters, a bad mask."""
+    """Raise ``ValueError`` for what a compressed optimizer cannot train: sparse or complex parameters, a bad mask,
+    or a hyper-parameter out of range (checked as the constructor checks its own: a group's ``lr`` as a tensor
+    failed in the middle of 0/1 Adam's first sync, after the parameters had moved).
+    """
+    try:
+        check_adam_arguments(group.get("lr"), group.get("betas"), group.get("eps"), group.get("weight_decay"))
+    except ValueError as exc:
+        raise ValueError(f"{owner}: in a parameter group, {exc}") from None
     for p in group["params"]:
         if p.is_sparse:
             raise ValueError(f"{owner} does not support sparse parameters")

@@ -265,6 +265,14 @@ def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
         (dict(optim_compression="lamb"), "optim_compression must be one of"),
         (dict(freeze_step=-1), "freeze_step must be >= 0"),
         (dict(local_step_clipper=0), "local_step_clipper must be >= 1"),
+        # each was accepted until train() (after the model and data were set up), or ignored
+        (dict(optim="sgd"), "optim='sgd' would be ignored: optim_compression='zeroone_adam' chooses"),
+        (dict(freeze_step=15), "freeze_step would be ignored: optim_compression='zeroone_adam' takes var_freeze_step"),
+        (dict(optim_compression="onebit_adam", local_step_clipper=4), "local_step_clipper would be ignored"),
+        (dict(var_freeze_step=0), "var_freeze_step=0 would freeze a variance that was never estimated"),
+        (dict(optim_compression="onebit_adam", freeze_step=0), "freeze_step=0 would freeze"),
+        (dict(exact_step_dtype="float16"), "float16 is refused"),
+        (dict(check_replicas_every=1.5), "check_replicas_every must be an integer"),
     ],
 )
 def test_bad_training_arguments(tmp_path, kw, match):

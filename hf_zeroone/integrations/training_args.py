@@ -25,6 +25,11 @@ from hf_zeroone.optim import CompressedAdamBase, OneBitAdam, ZeroOneAdam
 from hf_zeroone.optim._deepspeed import deepspeed_optimizer_section, optimizer_kwargs
 
 OPTIMIZER_CHOICES = ("adamw_torch", "onebit_adam", "zeroone_adam")
+#: the schedule settings of either optimizer (each takes its own, see ``compression_kwargs``)
+_SCHEDULE_FIELDS = (
+    "freeze_step", "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper",
+    "exact_warmup_steps",
+)  # fmt: skip
 _CLASSES = {"onebit_adam": OneBitAdam, "zeroone_adam": ZeroOneAdam}
 
 #: transformers 4.x has a ``warmup_ratio`` field; 5.x dropped it (a ``warmup_steps`` below 1 is the ratio there)
@@ -174,6 +179,31 @@ class ZeroOneArgumentsMixin:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.from_deepspeed_config is not None:
             self._adopt_deepspeed_config()
+        self._check_compression_settings()
+
+    def _check_compression_settings(self) -> None:
+        """Refuse now what would be ignored or refused later, at ``train()``, after the model and data are set up."""
+        if self.optim_compression == "adamw_torch":
+            return
+        optim = str(getattr(self.optim, "value", self.optim))
+        if not optim.startswith("adamw"):
+            raise ValueError(
+                f"optim={optim!r} would be ignored: optim_compression={self.optim_compression!r} chooses the "
+                "optimizer. Set optim_compression='adamw_torch' to let optim choose (no compression), or drop optim."
+            )
+        defaults = {f.name: f.default for f in fields(self)}
+        mine = self.compression_kwargs()
+        other = [n for n in _SCHEDULE_FIELDS if n not in mine and getattr(self, n) != defaults[n]]
+        if other:
+            raise ValueError(
+                f"{', '.join(other)} would be ignored: optim_compression={self.optim_compression!r} takes "
+                f"{', '.join(mine)}. "
+                "Choose the optimizer those settings belong to, or give its own."
+            )
+        try:  # the optimizer's own checks, on a stand-in parameter (integers, ranges, exact_step_dtype)
+            build_optimizer(self, [{"params": [torch.nn.Parameter(torch.zeros(1))]}], Communicator.local())
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{type(self).__name__}: {exc}") from None
 
     def _warmup_ratio_to_steps(self) -> None:
         ratio = self.warmup_ratio

@@ -133,6 +133,7 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     """Communicate one DDP gradient bucket as the optimizer's schedule requires this step."""
     opt = state.optimizer
     state.buckets_seen += 1
+    opt.check_ranks_agree()  # before any collective of this step, a handed-back bucket's included
     if state._passes.hands_back(opt, state.grad_scaler, bucket.index()):
         # as under no_sync(): the gradients add up locally, and nothing in p.grad is combined. The
         # step may end here (left to step(), after a GradScaler looked at the local gradients), so

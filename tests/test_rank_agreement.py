@@ -96,3 +96,38 @@ def test_one_process_checks_nothing_and_sends_nothing():
         p.grad = torch.ones(3)
         opt.step()
     assert opt.comm_stats.setup_collectives == 0 and opt.comm_stats.setup_bytes == 0
+
+
+def _loaded_apart(rank, world):
+    """Both ranks load a checkpoint, rank 1 one of a later step: the next step compares again."""
+    import warnings
+
+    from hf_zeroone import OneBitAdam
+
+    from _workloads import batches, loss_fn, make_model
+
+    model = make_model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=4)
+    warnings.simplefilter("ignore")  # step() communicating without a hook says so
+    data = batches(rank, 6)
+    for x, y in data[:2]:
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+    state = opt.state_dict()
+    if rank == 1:
+        state["hf_zeroone"]["schedule"]["step"] = 3  # a later checkpoint than rank 0's
+    opt.load_state_dict(state)
+    opt.zero_grad()
+    loss_fn(model, *data[2]).backward()
+    try:
+        opt.step()
+    except ValueError as exc:
+        return str(exc), opt.comm_stats.setup_collectives
+    return None, opt.comm_stats.setup_collectives
+
+
+def test_a_load_on_every_rank_is_compared_at_the_next_step():
+    for message, setups in run_ranks(_loaded_apart, 2, timeout=120, collective_timeout=30):
+        assert message is not None and "step counter (schedule['step']): rank 0 has 2, rank 1 has 3" in message
+        assert setups == 2  # once at the first step, once after the load

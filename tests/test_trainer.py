@@ -27,10 +27,9 @@ def _args(out_dir, **kw):
         save_strategy="no",
         disable_tqdm=True,
         seed=0,
-        var_update_scaler=2,
-        local_step_scaler=4,
-        local_step_clipper=4,
     )
+    if kw.get("optim_compression", "zeroone_adam") == "zeroone_adam":  # 0/1 Adam's fields are its own
+        base.update(var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
     base.update(kw)
     return ZeroOneTrainingArguments(**base)
 
@@ -228,16 +227,20 @@ def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
 
     argv = [
         "--output_dir", str(tmp_path), "--optim_compression", "onebit_adam", "--freeze_step", "7",
-        "--var_freeze_step", "9", "--var_update_scaler", "3", "--local_step_scaler", "5",
-        "--local_step_clipper", "8", "--exact_warmup_steps", "2", "--onebit_bias_correction", "false",
-        "--overflow_check_on_local_steps", "true", "--log_comm_stats", "false",
+        "--onebit_bias_correction", "false", "--overflow_check_on_local_steps", "true", "--log_comm_stats", "false",
     ]  # fmt: skip
     (args,) = HfArgumentParser(ZeroOneTrainingArguments).parse_args_into_dataclasses(argv)
-    assert (args.optim_compression, args.freeze_step, args.var_freeze_step) == ("onebit_adam", 7, 9)
-    assert (args.var_update_scaler, args.local_step_scaler, args.local_step_clipper) == (3, 5, 8)
-    assert args.exact_warmup_steps == 2 and args.onebit_bias_correction is False
+    assert (args.optim_compression, args.freeze_step) == ("onebit_adam", 7)
+    assert args.onebit_bias_correction is False
     assert args.overflow_check_on_local_steps is True and args.log_comm_stats is False
     assert args.compression_schedule(100) == {"freeze_step": 7}
+    argv = [
+        "--output_dir", str(tmp_path), "--var_freeze_step", "9", "--var_update_scaler", "3",
+        "--local_step_scaler", "5", "--local_step_clipper", "8", "--exact_warmup_steps", "2",
+    ]  # fmt: skip
+    (args,) = HfArgumentParser(ZeroOneTrainingArguments).parse_args_into_dataclasses(argv)
+    assert (args.optim_compression, args.var_freeze_step, args.exact_warmup_steps) == ("zeroone_adam", 9, 2)
+    assert (args.var_update_scaler, args.local_step_scaler, args.local_step_clipper) == (3, 5, 8)
 
     config = tmp_path / "args.json"
     config.write_text(

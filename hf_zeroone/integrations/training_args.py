@@ -25,11 +25,23 @@ from hf_zeroone.optim import CompressedAdamBase, OneBitAdam, ZeroOneAdam
 from hf_zeroone.optim._deepspeed import deepspeed_optimizer_section, optimizer_kwargs
 
 OPTIMIZER_CHOICES = ("adamw_torch", "onebit_adam", "zeroone_adam")
-#: the schedule settings of either optimizer (each takes its own, see ``compression_kwargs``)
-_SCHEDULE_FIELDS = (
-    "freeze_step", "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper",
-    "exact_warmup_steps",
-)  # fmt: skip
+#: ``optim`` values the compressed optimizers stand in for: torch's AdamW (transformers' default, whatever the version)
+_PLAIN_ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf"}
+#: each optimizer's schedule fields (``compression_kwargs``); a field of the other one would be ignored
+_OWN_SCHEDULE_FIELDS = {
+    "onebit_adam": ("freeze_step",),
+    "zeroone_adam": (
+        "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "exact_warmup_steps",
+    ),
+}  # fmt: skip
+_SCHEDULE_FIELDS = tuple(name for names in _OWN_SCHEDULE_FIELDS.values() for name in names)
+
+
+def schedule_fields(optim_compression: str) -> tuple[str, ...]:
+    """The schedule fields of ``ZeroOneTrainingArguments`` that ``optim_compression``'s optimizer takes."""
+    return _OWN_SCHEDULE_FIELDS.get(optim_compression, ())
+
+
 _CLASSES = {"onebit_adam": OneBitAdam, "zeroone_adam": ZeroOneAdam}
 
 #: transformers 4.x has a ``warmup_ratio`` field; 5.x dropped it (a ``warmup_steps`` below 1 is the ratio there)
@@ -186,7 +198,8 @@ class ZeroOneArgumentsMixin:
         if self.optim_compression == "adamw_torch":
             return
         optim = str(getattr(self.optim, "value", self.optim))
-        if not optim.startswith("adamw"):
+        default = next(f.default for f in fields(TrainingArguments) if f.name == "optim")
+        if optim not in _PLAIN_ADAMW | {str(getattr(default, "value", default))}:
             raise ValueError(
                 f"optim={optim!r} would be ignored: optim_compression={self.optim_compression!r} chooses the "
                 "optimizer. Set optim_compression='adamw_torch' to let optim choose (no compression), or drop optim."
@@ -259,17 +272,7 @@ class ZeroOneArgumentsMixin:
 
     def compression_kwargs(self) -> dict[str, Any]:
         """The optimizer's schedule arguments (steps left unset stay ``None``: the run length decides them)."""
-        names = {
-            "onebit_adam": ("freeze_step",),
-            "zeroone_adam": (
-                "var_freeze_step",
-                "var_update_scaler",
-                "local_step_scaler",
-                "local_step_clipper",
-                "exact_warmup_steps",
-            ),
-        }[self.optim_compression]
-        return {name: getattr(self, name) for name in names}
+        return {name: getattr(self, name) for name in schedule_fields(self.optim_compression)}
 
 
 def build_optimizer(

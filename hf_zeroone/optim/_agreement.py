@@ -75,8 +75,10 @@ def settings(opt: Any) -> list[tuple[str, float]]:  # noqa: ANN401 - a Compresse
 def check_ranks_agree(opt: Any) -> None:  # noqa: ANN401 - a CompressedAdamBase
     """Gather :func:`settings` from every rank; ``ValueError`` on every rank where any differs."""
     named = settings(opt)
-    values = torch.zeros(FIELDS, dtype=torch.float64)
-    values[: len(named)] = torch.tensor([v for _, v in named], dtype=torch.float64)
+    trainable = opt.trainable_params()
+    # on the parameters' device: NCCL gathers on it (the current CUDA device need not be it in step())
+    values = torch.zeros(FIELDS, dtype=torch.float64, device=trainable[0][1].device if trainable else "cpu")
+    values[: len(named)] = torch.tensor([v for _, v in named], dtype=torch.float64, device=values.device)
     rows = opt.comm.gather_setup(values)
     if bool((rows == rows[0]).all()):
         return

@@ -100,14 +100,21 @@ class CompressedAdamBase(OptimizerBooks):
     """
 
     # ------------------------------------------------------------------ preparation
+    def check_ranks_agree(self) -> None:
+        """Once after a build or a load, on several ranks: ``ValueError`` on every rank if they built this optimizer
+        differently (:mod:`._agreement`). Called before the first collective of a step (by :meth:`prepare_step`
+        and the DDP hook); collective, so every rank must reach it.
+        """
+        if not self._ranks_agree and self.comm.is_distributed:
+            _agreement.check_ranks_agree(self)  # a mismatch raises on every rank: no hang, no abort
+            self._ranks_agree = True
+
     def prepare_step(self) -> StepKind:
         """Make the state ready for the coming step and return its kind. Idempotent per step.
 
         Called by :meth:`step` and by the DDP hook before it computes messages.
         """
-        if not self._ranks_agree and self.comm.is_distributed:
-            _agreement.check_ranks_agree(self)  # before this step's first collective: a mismatch raises, no hang
-            self._ranks_agree = True
+        self.check_ranks_agree()
         kind = self.next_step_kind()
         if self._prepared_step == self.schedule["step"]:
             return kind

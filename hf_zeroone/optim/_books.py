@@ -214,6 +214,7 @@ class OptimizerBooks(Optimizer):
             except ValueError:
                 self.param_groups.pop()  # refused: the optimizer stays as it was
                 raise
+            self._ranks_agree = False  # every rank adds it: the next step compares the groups again
             self.flat_cache.clear()
             self._group_of = None
 

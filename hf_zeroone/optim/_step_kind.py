@@ -111,7 +111,7 @@ def check_exact_step_dtype(value: Any) -> torch.dtype | None:  # noqa: ANN401
         return None
     dtype = EXACT_STEP_DTYPES.get(value.removeprefix("torch.")) if isinstance(value, str) else value
     if dtype not in EXACT_STEP_DTYPES.values():
-        fp16 = dtype is torch.float16 or value in ("float16", "half", "fp16")
+        fp16 = dtype is torch.float16 or str(value).removeprefix("torch.") in ("float16", "half", "fp16")
         raise ValueError(
             f"exact_step_dtype must be torch.float32, torch.bfloat16 or torch.float8_e4m3fn (or their names, or "
             f"None for the gradients' own precision), got {value!r}"

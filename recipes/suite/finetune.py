@@ -104,12 +104,17 @@ def training_arguments(spec: dict):  # noqa: ANN201 - ZeroOneTrainingArguments, 
     ``{"exact_step_dtype": "float8_e4m3fn"}``; anything else stops the run with the fields' names.
     """
     from hf_zeroone import ZeroOneTrainingArguments
+    from hf_zeroone.integrations.training_args import schedule_fields
 
     name = spec["optimizer"]
     settings = dict(spec.get("settings") or {})
     problem = unknown_trainer_settings(settings)
     if problem:
         raise ValueError(problem)
+    # --settings go to both compressed rows: each takes its own schedule fields (the arguments refuse the other's)
+    others = {f for n in ("onebit_adam", "zeroone_adam") if n != name for f in schedule_fields(n)}
+    other = others - set(schedule_fields(name))
+    settings = {k: v for k, v in settings.items() if k not in other}
     return ZeroOneTrainingArguments(
         output_dir=str(Path(spec["run_dir"]) / "trainer"),
         optim_compression=name if name in ("onebit_adam", "zeroone_adam") else "adamw_torch",

@@ -290,16 +290,9 @@ class Communicator:
             return
         home = tensors[0].device if tensors else torch.device("cpu")
         local = bit_checksum(tensors, device=collective_device(self._coll.backend, home))
-        gathered = torch.empty(self.world_size, local.numel(), dtype=local.dtype, device=local.device)
         self.stats.bytes_sent += (self.world_size - 1) * local.numel() * local.element_size()
         self.stats.collectives += 1
-        coll = self._coll
-
-        def job() -> Tensor:
-            coll.all_gather(list(gathered.unbind(0)), local)
-            return gathered
-
-        rows = self._submit(job, (local, gathered)).wait().cpu()
+        rows = self._gather_rows(local)
         if not bool((rows == rows[0]).all()):
             differing = [r for r in range(self.world_size) if not torch.equal(rows[r], rows[0])]
             raise RuntimeError(
@@ -320,9 +313,13 @@ class Communicator:
         if not self.is_distributed:
             return values.reshape(1, -1).clone()
         local = values.to(collective_device(self._coll.backend, values.device)).contiguous()
-        gathered = torch.empty(self.world_size, local.numel(), dtype=local.dtype, device=local.device)
         self.stats.setup_bytes += (self.world_size - 1) * local.numel() * local.element_size()
         self.stats.setup_collectives += 1
+        return self._gather_rows(local)
+
+    def _gather_rows(self, local: Tensor) -> Tensor:
+        """Every rank's ``local`` (1-D, on the backend's device) as rows in rank order, on the CPU: one all-gather."""
+        gathered = torch.empty(self.world_size, local.numel(), dtype=local.dtype, device=local.device)
         coll = self._coll
 
         def job() -> Tensor:

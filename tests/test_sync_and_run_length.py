@@ -100,6 +100,16 @@ def test_set_run_length_after_the_first_step_is_refused():
         OneBitAdam([p], lr=1e-3).set_run_length(0)
 
 
+@pytest.mark.parametrize("cls, name", [(OneBitAdam, "freeze_step=100"), (ZeroOneAdam, "var_freeze_step=200")])
+def test_a_warm_up_longer_than_the_run_warns_that_nothing_is_compressed(cls, name):
+    """set_run_length(10, 100) put the freeze after the run: no step compressed, and nothing said so."""
+    with pytest.warns(UserWarning, match=f"{name} is not before the end of the run .*nothing is compressed"):
+        cls([torch.nn.Parameter(torch.ones(3))]).set_run_length(10, 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cls([torch.nn.Parameter(torch.ones(3))]).set_run_length(1000, 100)  # a run that compresses: silent
+
+
 def _first_step_warning(rank, world, set_length):
     from _workloads import batches, loss_fn, make_model
 

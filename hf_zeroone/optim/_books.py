@@ -180,6 +180,16 @@ class OptimizerBooks(Optimizer):
             )
         self._derive_schedule(num_training_steps, warmup_steps)
         self._run_length = (num_training_steps, warmup_steps)
+        name = self.schedule_params[0]  # the variance freeze: freeze_step, var_freeze_step
+        freeze = getattr(self, name)
+        if freeze >= num_training_steps:
+            warnings.warn(
+                f"{type(self).__name__}: {name}={freeze} is not before the end of the run ({num_training_steps} steps"
+                f"{f', warm-up {warmup_steps}' if warmup_steps else ''}): every step is exact, nothing is "
+                "compressed. Give a warm-up shorter than the run, or a smaller freeze step.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     @property
     def in_sync(self) -> bool:

@@ -257,6 +257,13 @@ def register_zeroone_hook(
             f"register_zeroone_hook needs a hf_zeroone optimizer (OneBitAdam, ZeroOneAdam), "
             f"got {type(optimizer).__name__}"
         )
+    if grad_scaler is not None and not callable(getattr(grad_scaler, "is_enabled", None)):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise RuntimeError(
+            "this DDP model has a communication hook already (DDP takes one): register_zeroone_hook, "
+            "prepare_zeroone and ZeroOneTrainer each register one; call one of them once per model"
+        )
     sparse = [
         name
         for name, m in ddp_model.module.named_modules()

@@ -181,3 +181,33 @@ def _warning_locations(rank, world):
 def test_the_no_hook_warning_points_at_the_users_line():
     for how, hits in run_ranks(_warning_locations, 2, timeout=120)[0].items():
         assert hits == [(True, True)], how
+
+
+def _register_misuse(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone import OneBitAdam
+    from hf_zeroone.ddp_hook import register_zeroone_hook
+
+    from _workloads import make_model
+
+    ddp = DDP(make_model())
+    opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=2)
+    out = []
+    try:
+        register_zeroone_hook(ddp, opt, grad_scaler="yes")
+    except TypeError as exc:
+        out.append(str(exc))
+    register_zeroone_hook(ddp, opt)  # the refused call registered nothing
+    try:
+        register_zeroone_hook(ddp, opt)
+    except RuntimeError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_registering_the_hook_twice_or_with_a_wrong_scaler_says_what_is_wrong():
+    """A second hook gave DDP's own error; a scaler of the wrong type failed at the first backward."""
+    (said,) = run_ranks(_register_misuse, 1, timeout=60)
+    assert said[0] == "grad_scaler must be a torch.amp.GradScaler or None, got str"
+    assert "has a communication hook already" in said[1] and "once per model" in said[1]

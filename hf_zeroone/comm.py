@@ -301,18 +301,20 @@ class Communicator:
                 "kernels, or a bug). Stop and restart from the last checkpoint; report it if it repeats."
             )
 
-    def gather_setup(self, values: Tensor) -> Tensor:
+    def gather_setup(self, values: Tensor, home: torch.device | None = None) -> Tensor:
         """Every rank's ``values`` (a short 1-D float64 vector, as long on every rank), as rows in rank order.
 
         One all-gather, for checks before training that the ranks agree
         (:mod:`hf_zeroone.optim._agreement`); counted in ``stats.setup_bytes`` and
-        ``stats.setup_collectives``, apart from the training's traffic. One rank: its own row.
+        ``stats.setup_collectives``, apart from the training's traffic. ``home``: the device of the
+        tensors the caller trains (NCCL gathers on it; default: ``values``' own). One rank: its own row.
         """
         if values.dim() != 1 or values.dtype != torch.float64:
             raise ValueError(f"gather_setup takes a 1-D float64 tensor, got {values.dtype} {tuple(values.shape)}")
         if not self.is_distributed:
             return values.reshape(1, -1).clone()
-        local = values.to(collective_device(self._coll.backend, values.device)).contiguous()
+        device = collective_device(self._coll.backend, values.device if home is None else torch.device(home))
+        local = values.to(device).contiguous()
         self.stats.setup_bytes += (self.world_size - 1) * local.numel() * local.element_size()
         self.stats.setup_collectives += 1
         return self._gather_rows(local)

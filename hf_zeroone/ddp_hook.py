@@ -261,8 +261,9 @@ def register_zeroone_hook(
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
     if getattr(ddp_model, "_comm_hooks", None):
         raise RuntimeError(
-            "this DDP model has a communication hook already (DDP takes one): register_zeroone_hook, "
-            "prepare_zeroone and ZeroOneTrainer each register one; call one of them once per model"
+            "this DDP model has a communication hook already, and DDP takes one: yours, DDP's mixed_precision, "
+            "Accelerate's comm_hook, or ours (register_zeroone_hook, prepare_zeroone and ZeroOneTrainer each "
+            "register one: call one of them once per model, and no other hook)"
         )
     sparse = [
         name

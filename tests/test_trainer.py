@@ -270,6 +270,7 @@ def test_every_flag_parses_from_the_command_line_and_json(tmp_path):
         (dict(local_step_clipper=0), "local_step_clipper must be >= 1"),
         # each was accepted until train() (after the model and data were set up), or ignored
         (dict(optim="sgd"), "optim='sgd' would be ignored: optim_compression='zeroone_adam' chooses"),
+        (dict(optim="adamw_8bit"), "optim='adamw_8bit' would be ignored"),
         (dict(freeze_step=15), "freeze_step would be ignored: optim_compression='zeroone_adam' takes var_freeze_step"),
         (dict(optim_compression="onebit_adam", local_step_clipper=4), "local_step_clipper would be ignored"),
         (dict(var_freeze_step=0), "var_freeze_step=0 would freeze a variance that was never estimated"),
@@ -283,6 +284,13 @@ def test_bad_training_arguments(tmp_path, kw, match):
 
     with pytest.raises(ValueError, match=match):
         ZeroOneTrainingArguments(output_dir=str(tmp_path), **kw)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_an_optim_naming_torchs_adamw_is_what_the_compressed_optimizer_stands_in_for(tmp_path, optim):
+    from hf_zeroone import ZeroOneTrainingArguments
+
+    assert ZeroOneTrainingArguments(output_dir=str(tmp_path), optim=optim).optim_compression == "zeroone_adam"
 
 
 def test_independent_processes_are_detected(monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -198,7 +199,7 @@ class ZeroOneArgumentsMixin:
         if self.optim_compression == "adamw_torch":
             return
         optim = str(getattr(self.optim, "value", self.optim))
-        default = next(f.default for f in fields(TrainingArguments) if f.name == "optim")
+        default = next(f.default for f in fields(self) if f.name == "optim")
         if optim not in _PLAIN_ADAMW | {str(getattr(default, "value", default))}:
             raise ValueError(
                 f"optim={optim!r} would be ignored: optim_compression={self.optim_compression!r} chooses the "
@@ -267,7 +268,9 @@ class ZeroOneArgumentsMixin:
         if self.optim_compression == "adamw_torch":
             return {}
         probe = build_optimizer(self, [{"params": [torch.nn.Parameter(torch.zeros(1))]}], Communicator.local())
-        probe.set_run_length(num_training_steps, self.warmup_for_schedule(num_training_steps))
+        with warnings.catch_warnings():  # the real optimizer's set_run_length says what this one would
+            warnings.simplefilter("ignore")
+            probe.set_run_length(num_training_steps, self.warmup_for_schedule(num_training_steps))
         return {name: getattr(probe, name) for name in self.compression_kwargs()}
 
     def compression_kwargs(self) -> dict[str, Any]:

@@ -76,10 +76,10 @@ def check_ranks_agree(opt: Any) -> None:  # noqa: ANN401 - a CompressedAdamBase
     """Gather :func:`settings` from every rank; ``ValueError`` on every rank where any differs."""
     named = settings(opt)
     trainable = opt.trainable_params()
-    # on the parameters' device: NCCL gathers on it (the current CUDA device need not be it in step())
-    values = torch.zeros(FIELDS, dtype=torch.float64, device=trainable[0][1].device if trainable else "cpu")
-    values[: len(named)] = torch.tensor([v for _, v in named], dtype=torch.float64, device=values.device)
-    rows = opt.comm.gather_setup(values)
+    values = torch.zeros(FIELDS, dtype=torch.float64)
+    values[: len(named)] = torch.tensor([v for _, v in named], dtype=torch.float64)
+    # NCCL gathers on the parameters' device (in step() the current CUDA device need not be theirs)
+    rows = opt.comm.gather_setup(values, home=trainable[0][1].device if trainable else None)
     if bool((rows == rows[0]).all()):
         return
     if not bool((rows[:, 0] == rows[0, 0]).all()):  # other classes: the other fields do not line up

@@ -180,16 +180,21 @@ class OptimizerBooks(Optimizer):
             )
         self._derive_schedule(num_training_steps, warmup_steps)
         self._run_length = (num_training_steps, warmup_steps)
-        name = self.schedule_params[0]  # the variance freeze: freeze_step, var_freeze_step
-        freeze = getattr(self, name)
-        if freeze >= num_training_steps:
+        first = self._first_compressed_step()
+        if first >= num_training_steps:
+            settings = ", ".join(f"{k}={v}" for k, v in self._schedule_hyperparameters().items())
             warnings.warn(
-                f"{type(self).__name__}: {name}={freeze} is not before the end of the run ({num_training_steps} steps"
-                f"{f', warm-up {warmup_steps}' if warmup_steps else ''}): every step is exact, nothing is "
-                "compressed. Give a warm-up shorter than the run, or a smaller freeze step.",
+                f"{type(self).__name__}: the first compressed step would be step {first}, not before the end of the "
+                f"run ({num_training_steps} steps{f', warm-up {warmup_steps}' if warmup_steps else ''}; {settings}): "
+                "every step is exact, nothing is compressed. Give a warm-up shorter than the run, or a smaller "
+                "freeze step.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
+
+    def _first_compressed_step(self) -> int:
+        """The first step the schedule compresses (or, later, takes locally): the variance freeze by default."""
+        return getattr(self, self.schedule_params[0])
 
     @property
     def in_sync(self) -> bool:

@@ -258,6 +258,10 @@ class ZeroOneAdam(CompressedAdamBase):
         """How many first steps are all exact: ``exact_warmup_steps``, or all of phase 1 when it is ``None``."""
         return self.var_freeze_step if self.exact_warmup_steps is None else self.exact_warmup_steps
 
+    def _first_compressed_step(self) -> int:
+        """Phase 1 sends 1-bit gradients from the end of the exact warm-up, the local phase starts at the freeze."""
+        return min(self.var_freeze_step, self._exact_steps())
+
     def _in_exact_warmup(self) -> bool:
         """Whether the coming step belongs to the exact warm-up (see ``exact_warmup_steps``)."""
         return self.schedule["step"] < self._exact_steps()

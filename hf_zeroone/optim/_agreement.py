@@ -5,15 +5,16 @@ ranks (``freeze_step``, ``num_training_steps`` of ``set_run_length`` from a shar
 length, ``exact_step_dtype``, ``local_step_clipper``, a rank resumed from another checkpoint)
 pairs different collectives: gloo aborts the process ("Received data size doesn't match expected
 size") or waits out its timeout (30 minutes by default), or the steps pair up silently and the
-run ends with no error. A hyper-parameter that
-differs (``lr``, ``betas``, ``weight_decay``) trains replicas that part, with no error at all.
+run ends with no error. A hyper-parameter that differs (``lr``, ``betas``, ``weight_decay``)
+trains replicas that part, with no error at all.
 
 So at its first step an optimizer of several ranks gathers a short vector of its settings from
 every rank (:meth:`~hf_zeroone.comm.Communicator.gather_setup`: one all-gather of 384 bytes per
 rank, once) and, where they differ, raises ``ValueError`` on every rank, naming each setting and
 what each rank holds. Every rank sees the same rows, so every rank raises: none is left waiting.
 Not caught: a DDP hook registered on some ranks only (the others' DDP allreduce and this check
-wait for each other until the timeout), and a rank that skips a later ``step()`` (see
+wait for each other until the timeout), a checkpoint loaded on some ranks only (the loading ranks
+wait here until the timeout), and a rank that skips a later ``step()`` (see
 ``check_replicas_every``).
 """
 

@@ -198,14 +198,13 @@ class ZeroOneArgumentsMixin:
         """Refuse now what would be ignored or refused later, at ``train()``, after the model and data are set up."""
         if self.optim_compression == "adamw_torch":
             return
+        defaults = {f.name: f.default for f in fields(self)}
         optim = str(getattr(self.optim, "value", self.optim))
-        default = next(f.default for f in fields(self) if f.name == "optim")
-        if optim not in _PLAIN_ADAMW | {str(getattr(default, "value", default))}:
+        if optim not in _PLAIN_ADAMW | {str(getattr(defaults["optim"], "value", defaults["optim"]))}:
             raise ValueError(
                 f"optim={optim!r} would be ignored: optim_compression={self.optim_compression!r} chooses the "
                 "optimizer. Set optim_compression='adamw_torch' to let optim choose (no compression), or drop optim."
             )
-        defaults = {f.name: f.default for f in fields(self)}
         mine = self.compression_kwargs()
         other = [n for n in _SCHEDULE_FIELDS if n not in mine and getattr(self, n) != defaults[n]]
         if other:
@@ -214,8 +213,8 @@ class ZeroOneArgumentsMixin:
                 f"{', '.join(mine)}. "
                 "Choose the optimizer those settings belong to, or give its own."
             )
-        try:  # the optimizer's own checks, on a stand-in parameter (integers, ranges, exact_step_dtype)
-            build_optimizer(self, [{"params": [torch.nn.Parameter(torch.zeros(1))]}], Communicator.local())
+        try:  # the optimizer's own checks (integers, ranges, exact_step_dtype)
+            self._stand_in_optimizer()
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{type(self).__name__}: {exc}") from None
 
@@ -267,11 +266,15 @@ class ZeroOneArgumentsMixin:
         """The schedule settings the optimizer gets for a run of ``num_training_steps`` (given or derived)."""
         if self.optim_compression == "adamw_torch":
             return {}
-        probe = build_optimizer(self, [{"params": [torch.nn.Parameter(torch.zeros(1))]}], Communicator.local())
+        probe = self._stand_in_optimizer()
         with warnings.catch_warnings():  # the real optimizer's set_run_length says what this one would
             warnings.simplefilter("ignore")
             probe.set_run_length(num_training_steps, self.warmup_for_schedule(num_training_steps))
         return {name: getattr(probe, name) for name in self.compression_kwargs()}
+
+    def _stand_in_optimizer(self) -> CompressedAdamBase:
+        """The optimizer these arguments build, over one stand-in parameter, in this process alone."""
+        return build_optimizer(self, [{"params": [torch.nn.Parameter(torch.zeros(1))]}], Communicator.local())
 
     def compression_kwargs(self) -> dict[str, Any]:
         """The optimizer's schedule arguments (steps left unset stay ``None``: the run length decides them)."""

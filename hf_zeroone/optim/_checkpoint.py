@@ -93,9 +93,7 @@ def split_for_torch(opt: Any, state_dict: dict[str, Any]) -> tuple[dict[str, Any
     state_dict["state"] = {k: {n: v for n, v in s.items() if n not in _FP32_ON_LOAD} for k, s in states.items()}
 
     def restore() -> None:
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in opt.param_groups for p in g["params"]]
-        for saved_id, p in zip(saved_ids, params):
+        for saved_id, p in _paired(opt, state_dict):
             restore_errors(opt.state[p], p, errors.get(saved_id, {}))
             for key, value in scales.get(saved_id, {}).items():
                 opt.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
@@ -127,9 +125,7 @@ def _check_shapes(opt: Any, state_dict: dict[str, Any]) -> None:  # noqa: ANN401
         len(saved["params"]) != len(mine["params"]) for saved, mine in zip(groups, opt.param_groups)
     ):
         return
-    saved_ids = [i for g in groups for i in g["params"]]
-    params = [p for g in opt.param_groups for p in g["params"]]
-    for index, (saved_id, p) in enumerate(zip(saved_ids, params)):
+    for index, (saved_id, p) in enumerate(_paired(opt, state_dict)):
         for key, value in state_dict["state"].get(saved_id, {}).items():
             if key in _PARAMETER_SHAPED and isinstance(value, torch.Tensor) and value.shape != p.shape:
                 raise ValueError(
@@ -138,3 +134,9 @@ def _check_shapes(opt: Any, state_dict: dict[str, Any]) -> None:  # noqa: ANN401
                     "belongs to another model (or its parameters in another order). Nothing was loaded; "
                     "build the optimizer from the model the checkpoint was saved with."
                 )
+
+
+def _paired(opt: Any, state_dict: dict[str, Any]) -> list[tuple[Any, torch.Tensor]]:  # noqa: ANN401
+    """``(saved id, parameter)`` in order, as torch pairs a checkpoint's parameters with the optimizer's."""
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    return list(zip(saved_ids, [p for g in opt.param_groups for p in g["params"]]))

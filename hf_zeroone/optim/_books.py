@@ -325,9 +325,9 @@ class OptimizerBooks(Optimizer):
             return F.denominators(v, c2, group["eps"], factors)
         # This step will measure its scale samples against the plain denominators, sqrt(v / c2) + eps:
         # one sqrt(v) for both (the plain ones kept in variance_views, where they are looked up)
-        roots = list(torch._foreach_sqrt(v))
-        self.variance_views.offer(params, v, c2, group["eps"], F.root_denominators(roots, c2, group["eps"]))
-        return F.denominators(v, c2, group["eps"], factors, roots=roots)
+        plain, scaled = F.split_denominators(v, c2, group["eps"], factors)
+        self.variance_views.offer(params, v, c2, group["eps"], plain)
+        return scaled
 
     def _plain_denominators_follow(self, kind: StepKind) -> bool:
         """Whether, inside ``step()``, this step's scale samples are still to be taken from local gradients.

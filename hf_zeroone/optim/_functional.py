@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_zeroone import _cpu_kernels
 from hf_zeroone._tensors import (
     add_scalar_,
     apply_per_tensor,
@@ -54,6 +55,8 @@ __all__ = [
     "momentum_messages",
     "norm_proxy_factors",
     "root_denominators",
+    "root_multipliers",
+    "split_denominators",
     "to_update_units",
     "variance_bound",
 ]
@@ -99,14 +102,18 @@ def denominators(
 
     if factors is None or all(f is None for f in factors):
         out = sqrt_of(range(len(exp_avg_sqs)))
+        if _cpu_kernels.plain_denominators_(out, math.sqrt(c2), eps):  # the division and eps in one pass
+            return out
         div_scalar_(out, math.sqrt(c2))
     elif not stacks_by_shape(exp_avg_sqs[0].device):  # one multi-tensor call, tensor by tensor
         out = sqrt_of(range(len(exp_avg_sqs)))
         plain = [d for d, f in zip(out, factors) if f is None]
+        if not plain and _cpu_kernels.scaled_denominators_(out, root_multipliers(factors, c2), eps):
+            return out
         if plain:
             div_scalar_(plain, math.sqrt(c2))
         scaled = [(d, f) for d, f in zip(out, factors) if f is not None]
-        multipliers = torch.stack([f for _, f in scaled]).div_(c2).sqrt_()  # one computation for all tensors
+        multipliers = root_multipliers([f for _, f in scaled], c2)
         # each tensor's multiplier rounded to its own dtype, as the stacked form does (a group may mix them)
         torch._foreach_mul_([d for d, _ in scaled], as_dtypes(multipliers.unbind(), [d for d, _ in scaled]))
     else:
@@ -130,6 +137,29 @@ def denominators(
                 out[i] = d
     add_scalar_(out, eps)
     return out
+
+
+def root_multipliers(factors: Sequence[Tensor], c2: float) -> Tensor:
+    """``sqrt(f / c2)`` of each factor (0-dim float32 tensors), one float32 vector: what scales ``sqrt(v)``."""
+    return torch.stack(list(factors)).div_(c2).sqrt_()  # one computation for all tensors
+
+
+def split_denominators(
+    exp_avg_sqs: Sequence[Tensor], c2: float, eps: float, factors: Sequence[Tensor]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The plain denominators ``sqrt(v / c2) + eps`` and the scaled ``sqrt(v) sqrt(f / c2) + eps``, one ``sqrt(v)``.
+
+    ``factors``: 0-dim tensors (the scale of ``follow_gradient_scale``), ``None`` where unscaled. The same
+    bits as :func:`root_denominators` and :func:`denominators` with ``roots=``; on the CPU in one
+    pass after the square roots (:mod:`hf_zeroone._cpu_kernels`).
+    """
+    exp_avg_sqs, factors = list(exp_avg_sqs), list(factors)
+    roots = list(torch._foreach_sqrt(exp_avg_sqs))
+    if all(f is not None for f in factors):
+        plain = _cpu_kernels.split_denominators_(roots, math.sqrt(c2), root_multipliers(factors, c2), eps)
+        if plain is not None:
+            return plain, roots
+    return root_denominators(roots, c2, eps), denominators(exp_avg_sqs, c2, eps, factors, roots=roots)
 
 
 def root_denominators(roots: Sequence[Tensor], c2: float, eps: float) -> list[Tensor]:
@@ -169,13 +199,15 @@ def adam_update(
 ) -> list[Tensor]:
     """One Adam update of every parameter (see the module docstring); returns the denominators used."""
     params, grads, exp_avgs = list(params), list(grads), list(exp_avgs)
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     if update_variance:
         mul_scalar_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(list(exp_avg_sqs), grads, grads, value=1.0 - beta2)
+    dens = make_denominators()  # from v alone: the momentum and parameters below do not enter them
+    if _cpu_kernels.adam_update_(params, grads, exp_avgs, dens, 1.0 - beta1, decay, -lr / c1):
+        return dens  # the three passes below in one (the CPU)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     if decay != 1.0:
         mul_scalar_(params, decay)
-    dens = make_denominators()
     torch._foreach_addcdiv_(params, exp_avgs, dens, value=-lr / c1)
     return dens
 
@@ -249,6 +281,9 @@ def clip_to_variance(grads: Sequence[Tensor], dens: Sequence[Tensor], beta2: flo
     Adam's own steps have, and every 1-bit message in update units stays bounded.
     """
     grads = list(grads)
+    fused = _cpu_kernels.clip_to_bounds(grads, dens, variance_bound(beta2))  # one pass per tensor on the CPU
+    if fused is not None:
+        return fused
     bounds = mul_scalar(as_dtypes(dens, grads), variance_bound(beta2))
     out = list(torch._foreach_minimum(grads, bounds))
     torch._foreach_neg_(bounds)

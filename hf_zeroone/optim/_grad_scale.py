@@ -61,7 +61,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import per_tensor_operand, shape_groups, stacks_by_shape
+from hf_zeroone import _cpu_kernels
+from hf_zeroone._tensors import mul_scalar_, per_tensor_operand, shape_groups, stacks_by_shape
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._step_kind import StepKind
 
@@ -199,9 +200,13 @@ def scale_samples(
     parameter group's.
     """
     grads, dens = F.as_dtype(grads, torch.float32), list(dens)
+    floors = idle_floors(means, eps)
+    fused = _cpu_kernels.masked_ratios(grads, dens, floors, [True] * len(grads) if idle is None else idle)
+    if fused is not None:  # the CPU: the division and the mask in one pass per tensor
+        return torch.stack(torch._foreach_norm(fused)).square_().div_(counts)
     if not dens or not stacks_by_shape(dens[0].device):  # the CPU: one masked fill per tensor
         ratios = list(torch._foreach_div(grads, dens))
-        for i, (r, d, floor) in enumerate(zip(ratios, dens, idle_floors(means, eps).unbind())):
+        for i, (r, d, floor) in enumerate(zip(ratios, dens, floors.unbind())):
             if idle is None or idle[i]:
                 r.masked_fill_(d < floor, 0.0)
         return torch.stack(torch._foreach_norm(ratios)).square_().div_(counts)
@@ -212,7 +217,7 @@ def scale_samples(
         quotients = torch._foreach_div([grads[i] for i in unmasked], [dens[i] for i in unmasked])
         for i, r in zip(unmasked, quotients):
             ratios[i] = r
-    floors = idle_floors(means, eps).unbind()
+    floors = floors.unbind()
     for group in shape_groups(dens, masked):  # one call per shape, not per tensor (see shape_groups)
         stacked_dens = torch.stack([dens[i] for i in group])
         stacked = torch.stack([grads[i] for i in group]).div_(stacked_dens)
@@ -358,7 +363,7 @@ class GradientScale:
         q = q / _correction(beta2, schedule["variance_steps"], group["bias_correction"])
         decay = beta2**steps
         current = [st[_G] for st in states]
-        torch._foreach_mul_(current, decay)
+        mul_scalar_(current, decay)  # float32 0-dim values: one 0-dim operand for all, the same bits
         torch._foreach_add_(current, list(q.unbind()), alpha=1.0 - decay)
 
     @staticmethod

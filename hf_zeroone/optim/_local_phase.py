@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_zeroone import _cpu_kernels
 from hf_zeroone._tensors import all_finite
 from hf_zeroone.optim._functional import as_dtypes, by_group
 from hf_zeroone.optim._step_kind import StepKind
@@ -56,10 +57,12 @@ def displacements(params: list[Tensor], states: list[dict[str, Any]], outs: list
     """:func:`displacement` of every parameter into ``outs``, the float32 ones in multi-tensor form."""
     plain = [i for i, (p, st, out) in enumerate(zip(params, states, outs)) if displacement_is_derived(p, st, out)]
     if plain:
-        derived = [outs[i] for i in plain]
-        torch._foreach_copy_(derived, [states[i]["sync_param"] for i in plain])
-        _scale_unless_one(derived, [float(states[i]["decay_prod"]) for i in plain])
-        torch._foreach_sub_(derived, [params[i] for i in plain])
+        derived, synced = [outs[i] for i in plain], [states[i]["sync_param"] for i in plain]
+        decays, moved = [float(states[i]["decay_prod"]) for i in plain], [params[i] for i in plain]
+        if not _cpu_kernels.scaled_difference_(derived, synced, moved, decays):  # one pass on the CPU
+            torch._foreach_copy_(derived, synced)
+            _scale_unless_one(derived, decays)
+            torch._foreach_sub_(derived, moved)
     done = set(plain)
     for i, (p, st, out) in enumerate(zip(params, states, outs)):
         if i not in done:
@@ -121,16 +124,22 @@ def apply_sync(
     ``m = c1 * d * u / sum(lr)``, with ``d`` from ``dens``; for all tensors of one group at once.
     """
     us = as_dtypes(combined_u, params)
-    torch._foreach_copy_(params, [st["sync_param"] for st in states])
-    _scale_unless_one(params, [float(st["decay_prod"]) for st in states])
-    torch._foreach_sub_(params, us)
+    synced, decays = [st["sync_param"] for st in states], [float(st["decay_prod"]) for st in states]
+    if not _cpu_kernels.scaled_difference_(params, synced, us, decays):  # one pass on the CPU
+        torch._foreach_copy_(params, synced)
+        _scale_unless_one(params, decays)
+        torch._foreach_sub_(params, us)
     moved = [i for i, st in enumerate(states) if st["lr_sum"] > 0]
     if moved:
-        exp_avgs = [states[i]["exp_avg"] for i in moved]
-        torch._foreach_zero_(exp_avgs)
-        torch._foreach_addcmul_(
-            exp_avgs, [us[i] for i in moved], [dens[i] for i in moved], [c1 / states[i]["lr_sum"] for i in moved]
+        exp_avgs, moved_us, moved_dens = (
+            [states[i]["exp_avg"] for i in moved],
+            [us[i] for i in moved],
+            [dens[i] for i in moved],
         )
+        scales = [c1 / states[i]["lr_sum"] for i in moved]
+        if not _cpu_kernels.scaled_product_(exp_avgs, moved_us, moved_dens, scales):
+            torch._foreach_zero_(exp_avgs)
+            torch._foreach_addcmul_(exp_avgs, moved_us, moved_dens, scales)
     for p, st in zip(params, states):
         if "update_accumulator" in st:
             if accumulates_displacement(p):

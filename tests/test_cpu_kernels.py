@@ -1,0 +1,243 @@
+"""The fused CPU kernels (``hf_zeroone/_cpu_kernels.c``) give torch's bits, and everything works without them.
+
+Each kernel is pinned against the torch operations it replaces, bit for bit, on values of every
+float32 class (zeros of both signs, subnormals, the largest, infinities, NaN) and on sizes that do
+and do not fill a vector register; both optimizers are pinned through every phase with the kernels
+on and off. A library that a compiler built with other rounding is refused, a missing compiler
+costs a warning and nothing else, and ``HF_ZEROONE_CPU_KERNELS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from hf_zeroone import OneBitAdam, ZeroOneAdam, _cpu_kernels
+from hf_zeroone._tensors import all_finite
+from hf_zeroone.optim import _functional as F
+from hf_zeroone.optim._grad_scale import scale_samples
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+
+_SPECIALS = [0.0, -0.0, 1e-45, -1e-45, 1e-38, 3.4e38, -3.4e38, float("inf"), -float("inf"), float("nan"), 1.0]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != torch.float32 or b.dtype != torch.float32:
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return _cpu_kernels._same(a.reshape(-1), b.reshape(-1))
+
+
+def _lists(seed: int, sizes=(0, 1, 3, 16, 17, 63, 1000, 4099)):  # noqa: ANN001, ANN202
+    gen = torch.Generator().manual_seed(seed)
+    specials = torch.tensor(_SPECIALS)
+    grads = [torch.cat([torch.randn(n, generator=gen) * 10.0 ** torch.randint(-8, 3, (1,), generator=gen), specials])
+             for n in sizes]  # fmt: skip
+    roots = [torch.cat([torch.rand(n, generator=gen) * 1e-3, specials.abs()]) for n in sizes]
+    return grads, roots
+
+
+@pytest.fixture
+def kernels(monkeypatch):  # noqa: ANN001, ANN201
+    """The kernels on, whatever the environment says (a fresh load in this process)."""
+    monkeypatch.delenv("HF_ZEROONE_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(_cpu_kernels, "_tried", False)
+    monkeypatch.setattr(_cpu_kernels, "_library", None)
+    assert _cpu_kernels.enabled()
+
+
+def _kernels_off(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(_cpu_kernels, "_tried", True)
+    monkeypatch.setattr(_cpu_kernels, "_library", None)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_denominators_are_torchs_bits(kernels, monkeypatch, seed):  # noqa: ANN001
+    _, roots = _lists(seed)
+    v = [r * r for r in roots]
+    c2, eps = 0.0951, 1e-8
+    factors = [
+        torch.tensor(f, dtype=torch.float32)
+        for f in torch.rand(len(v), generator=torch.Generator().manual_seed(seed)).add(0.2).tolist()
+    ]
+    factors[3] = None  # a tensor without a scale (no gradient before the freeze): torch's form for the list
+    mixed = F.split_denominators(v, c2, eps, factors)
+    factors[3] = torch.tensor(1.5)
+    fused_plain, fused_scaled = F.split_denominators(v, c2, eps, factors)
+    fused_alone = F.denominators(v, c2, eps)
+    fused_scaled_alone = F.denominators(v, c2, eps, factors)
+    _kernels_off(monkeypatch)
+    plain, scaled = F.split_denominators(v, c2, eps, factors)
+    factors[3] = None
+    assert all(map(_same, mixed[0], F.split_denominators(v, c2, eps, factors)[0]))
+    assert all(map(_same, mixed[1], F.denominators(v, c2, eps, factors)))
+    factors[3] = torch.tensor(1.5)
+    assert all(map(_same, fused_plain, plain)) and all(map(_same, fused_scaled, scaled))
+    assert all(map(_same, fused_alone, F.denominators(v, c2, eps)))
+    assert all(map(_same, fused_scaled_alone, F.denominators(v, c2, eps, factors)))
+    assert all(map(_same, plain, F.denominators(v, c2, eps)))  # the torch forms agree with each other too
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_clipping_and_the_scale_samples_are_torchs_bits(kernels, monkeypatch, seed):  # noqa: ANN001
+    grads, roots = _lists(seed)
+    dens = F.denominators([r * r for r in roots], 0.3, 1e-8)
+    means = torch.stack([d.nan_to_num(posinf=1.0).mean() if d.numel() else torch.tensor(1.0) for d in dens])
+    counts = torch.full((len(dens),), 7.0)
+    idle = [i % 2 == 0 for i in range(len(dens))]
+    clipped = F.clip_to_variance(grads, dens, 0.999)
+    samples = [scale_samples(grads, dens, means, counts, mask, 1e-8) for mask in (idle, None)]
+    finite = [
+        all_finite(ts)
+        for ts in (
+            grads,
+            [torch.tensor([1e-45, -0.0, 3.4e38])],
+            [torch.tensor([float("nan")])],
+            [torch.zeros(0), torch.ones(3)],
+        )
+    ]
+    _kernels_off(monkeypatch)
+    assert all(map(_same, clipped, F.clip_to_variance(grads, dens, 0.999)))
+    assert _same(samples[0], scale_samples(grads, dens, means, counts, idle, 1e-8))
+    assert _same(samples[1], scale_samples(grads, dens, means, counts, None, 1e-8))
+    assert finite == [
+        all_finite(ts)
+        for ts in (
+            grads,
+            [torch.tensor([1e-45, -0.0, 3.4e38])],
+            [torch.tensor([float("nan")])],
+            [torch.zeros(0), torch.ones(3)],
+        )
+    ]
+    assert finite == [False, True, False, True]
+
+
+@pytest.mark.parametrize(("beta1", "decay"), [(0.9, 1.0), (0.9, 0.999), (0.3, 0.99)])
+def test_the_adam_update_is_torchs_bits_and_counts_as_in_place(kernels, monkeypatch, beta1, decay):  # noqa: ANN001
+    grads, roots = _lists(3)
+    dens = F.denominators([r * r for r in roots], 0.3, 1e-8)
+    start = [torch.randn(g.shape, generator=torch.Generator().manual_seed(i)) for i, g in enumerate(grads)]
+
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        params, exp_avgs = [t.clone() for t in start], [t.clone() * 0.5 for t in start]
+        versions = [t._version for t in params + exp_avgs]
+        F.adam_update(params, grads, exp_avgs, [], lr=1e-3, beta1=beta1, beta2=0.999, c1=0.4, decay=decay,
+                      update_variance=False, make_denominators=lambda: dens)  # fmt: skip
+        return params, exp_avgs, [t._version - v for t, v in zip(params + exp_avgs, versions)]
+
+    fused = run()
+    _kernels_off(monkeypatch)
+    plain = run()
+    assert all(map(_same, fused[0], plain[0])) and all(map(_same, fused[1], plain[1]))
+    assert all(bumped > 0 for bumped in fused[2])  # autograd sees the parameters written in place
+
+
+def test_what_the_kernels_do_not_take_goes_to_torch(kernels):  # noqa: ANN001
+    g = torch.randn(8, 8)
+    d = torch.rand(8, 8) + 0.1
+    assert _cpu_kernels.clip_to_bounds([g.t()], [d], 3.0) is None  # not contiguous
+    assert _cpu_kernels.clip_to_bounds([g.double()], [d.double()], 3.0) is None  # not float32
+    assert _cpu_kernels.all_finite([]) is None
+    assert not _cpu_kernels.adam_update_([g], [g], [g.clone()], [d], 0.7, 1.0, -1e-3)  # torch's other lerp form
+    big = torch.ones(_cpu_kernels._GRAIN)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # torch would split a large tensor over threads: left to it
+        assert _cpu_kernels.all_finite([big]) is None and _cpu_kernels.all_finite([g]) is True
+        torch.set_num_threads(1)
+        assert _cpu_kernels.all_finite([big]) is True
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _phases(cls, steps: int, monkeypatch, on: bool):  # noqa: ANN001, ANN202
+    """``steps`` steps of ``cls`` from defaults (every phase), kernels on or off: parameters and state."""
+    if not on:
+        _kernels_off(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    kw = {"freeze_step": 6} if cls is OneBitAdam else {"var_freeze_step": 6, "local_step_clipper": 4}
+    opt = cls(model.parameters(), lr=3e-3, **kw)
+    kinds = []
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        tokens = torch.randint(0, 20 + step, (8, 5), generator=gen)
+        loss = model(tokens).pow(2).mean() * (0.9**step)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        kinds.append(opt.last_step_kind)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)} for p in model.parameters()]
+    return params, state, kinds
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
+def test_a_run_is_the_same_run_with_the_kernels_and_without(kernels, monkeypatch, cls):  # noqa: ANN001
+    calls = []
+    real = _cpu_kernels._counts
+    monkeypatch.setattr(_cpu_kernels, "_counts", lambda ts, *more: calls.append(len(ts)) or real(ts, *more))
+    fused = _phases(cls, 24, monkeypatch, on=True)
+    assert len(calls) >= 24  # the kernels ran, every step
+    plain = _phases(cls, 24, monkeypatch, on=False)
+    assert fused[2] == plain[2]
+    kinds = {k.value for k in fused[2] if k is not None}
+    assert kinds >= ({"exact", "onebit_momentum"} if cls is OneBitAdam else {"exact", "local", "onebit_sync"})
+    assert all(map(_same, fused[0], plain[0]))
+    for a, b in zip(fused[1], plain[1]):
+        assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+
+
+def test_a_library_built_with_other_rounding_is_refused(monkeypatch, tmp_path):  # noqa: ANN001
+    """Contracted multiply-adds round once where torch rounds twice: the check at load finds it."""
+    monkeypatch.setenv("HF_ZEROONE_CACHE", str(tmp_path))
+    monkeypatch.setattr(_cpu_kernels, "_FLAGS", tuple(f.replace("off", "fast") for f in _cpu_kernels._FLAGS))
+    monkeypatch.setattr(_cpu_kernels, "_tried", False)
+    monkeypatch.setattr(_cpu_kernels, "_library", None)
+    lib = _cpu_kernels._load()
+    if lib is None:
+        pytest.skip("the compiler built nothing with these flags")
+    scales = torch.tensor([1.1], dtype=torch.float32)
+    # with contraction x * s + eps is one rounding: some x differ (when the CPU has FMA at all)
+    monkeypatch.setattr(_cpu_kernels, "_library", lib)
+    monkeypatch.setattr(_cpu_kernels, "_tried", True)
+    x = torch.rand(10000, generator=torch.Generator().manual_seed(0))
+    roots = [x.clone()]
+    _cpu_kernels.scaled_denominators_(roots, scales, 1e-3)
+    if _same(roots[0], x * scales[0] + torch.tensor(1e-3)):
+        pytest.skip("no fused multiply-add on this CPU: nothing for the check to find")
+    assert not _cpu_kernels._agrees_with_torch(lib)
+    monkeypatch.setattr(_cpu_kernels, "_tried", False)
+    monkeypatch.setattr(_cpu_kernels, "_library", None)
+    monkeypatch.setattr(_cpu_kernels, "_load", lambda: lib)
+    with pytest.warns(RuntimeWarning, match="do not give torch's bits"):
+        assert not _cpu_kernels.enabled()
+    assert F.clip_to_variance([torch.ones(3)], [torch.ones(3)], 0.999)[0].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_without_a_compiler_a_warning_and_torchs_operations(monkeypatch, tmp_path):  # noqa: ANN001
+    monkeypatch.setenv("HF_ZEROONE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(_cpu_kernels, "_tried", False)
+    monkeypatch.setattr(_cpu_kernels, "_library", None)
+    with pytest.warns(RuntimeWarning, match="no C compiler .*set HF_ZEROONE_CPU_KERNELS=0"):
+        assert not _cpu_kernels.enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert not _cpu_kernels.enabled()
+    d = F.denominators([torch.full((3,), 4.0)], 1.0, 0.5)
+    assert d[0].tolist() == [2.5, 2.5, 2.5] and not list(tmp_path.iterdir())
+
+
+def test_the_switch_turns_them_off_without_a_word(monkeypatch):  # noqa: ANN001
+    monkeypatch.setenv("HF_ZEROONE_CPU_KERNELS", "0")
+    monkeypatch.setattr(_cpu_kernels, "_tried", False)
+    monkeypatch.setattr(_cpu_kernels, "_library", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not _cpu_kernels.enabled()
+    assert math.isclose(F.denominators([torch.full((2,), 9.0)], 1.0, 0.0)[0][0].item(), 3.0)

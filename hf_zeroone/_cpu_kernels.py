@@ -1,20 +1,23 @@
-"""Fused element-wise loops for the CPU step, compiled from C at first use: torch's own results, bit for bit.
+"""Fused element-wise loops for the CPU step, compiled at first use: torch's own results, bit for bit.
 
 On the CPU a compressed step walks the model's tensors many times: torch runs a multi-tensor
 operation as one operator per tensor, each a pass over its elements, several writing fresh
-tensors. A few of those chains (the denominators of a frozen variance, clipping to the variance,
-the masked ratios of ``follow_gradient_scale``'s samples) are one loop each in ``_cpu_kernels.c``,
-over every tensor of a list in one call. They use only operations that torch's CPU kernels round
+tensors. Several of those chains (the denominators of a frozen variance, clipping to the
+variance, the masked ratios of ``follow_gradient_scale``'s samples, the finiteness check, Adam's
+momentum-and-parameter update, 0/1 Adam's sync arithmetic) are one loop each in
+``_cpu_kernels.c``, over every tensor of a list in one call. They use only operations that torch's CPU kernels round
 exactly (division, multiplication, addition, comparisons), in torch's order and compiled without
 fused multiply-adds, so each gives the same bits as the torch operations it replaces: a run with
 and without them is the same run, and a rank that cannot build them still agrees bit for bit with
 ranks that can.
 
-The library is built once per machine with the system's C compiler (``$CC``, else ``cc``) into
-``$HF_ZEROONE_CACHE`` (default ``~/.cache/hf_zeroone``), named by a hash of the source, the flags,
-the compiler and the CPU's features, and checked against torch on a small sample before its first
-use in a process. Without a compiler, or when the check fails, a warning says so once and torch's
-operations run instead. ``HF_ZEROONE_CPU_KERNELS=0`` turns the kernels off.
+The loops are bound to torch in ``_cpu_kernels.cpp`` (lists of tensors in, checked and walked in
+C++: one call per list, no Python loop over its tensors), built once per machine as a torch C++
+extension with the system's C++ compiler (``$CXX``, else ``c++``) and ninja, in about 30 s, into
+``$HF_ZEROONE_CACHE`` (default ``~/.cache/hf_zeroone``), named by a hash of the sources, the flags,
+torch's version and the CPU's features, and checked against torch on a small sample before their
+first use in a process. Without a compiler or ninja, or when the check fails, a warning says so
+once and torch's operations run instead. ``HF_ZEROONE_CPU_KERNELS=0`` turns the kernels off.
 
 Callers offer a list; each function here returns ``None`` where it does not take it (not all
 float32 contiguous CPU tensors, the kernels off, or large tensors while torch runs several threads,
@@ -23,17 +26,16 @@ which torch would split over cores and one loop here would not), and the caller 
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
-import subprocess
 import sys
-import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,20 +47,21 @@ __all__ = [
     "scaled_product_",
     "clip_to_bounds",
     "enabled",
-    "masked_ratios",
+    "masked_ratio_norms",
     "plain_denominators_",
     "scaled_denominators_",
     "split_denominators_",
 ]
 
-_SOURCE = Path(__file__).with_name("_cpu_kernels.c")
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99")
+_SOURCES = (Path(__file__).with_name("_cpu_kernels.cpp"), Path(__file__).with_name("_cpu_kernels.c"))
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math")
 #: torch splits an element-wise operation over threads only above this many elements (at::internal::GRAIN_SIZE)
 _GRAIN = 32768
 _ENV = "HF_ZEROONE_CPU_KERNELS"
 
-_library: ctypes.CDLL | None = None
+_library: Any = None
 _tried = False
+_log = logging.getLogger(__name__)
 
 
 def _cpu_features() -> str:
@@ -78,89 +81,56 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _build(compiler: str) -> Path:
-    """Compile the library if this machine has no copy yet; its path."""
-    source = _SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in (
-        source, " ".join(_FLAGS), version, platform.machine(), _cpu_features()
-    ))).hexdigest()[:16]  # fmt: skip
-    suffix = ".dylib" if sys.platform == "darwin" else ".so"
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "hf_zeroone"):
-        target = folder / f"cpu_kernels-{key}{suffix}"
-        if target.exists():
-            return target
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, scratch = tempfile.mkstemp(suffix=suffix, dir=folder)
-            os.close(fd)
-        except OSError:
-            continue  # not writable: the next folder
-        try:
-            command = [compiler, *_FLAGS, str(_SOURCE), "-o", scratch]
-            subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
-            os.replace(scratch, target)  # atomic: ranks building at once each finish a whole file
-        finally:
-            if os.path.exists(scratch):
-                os.unlink(scratch)
-        return target
-    raise OSError(f"no writable folder for the compiled kernels (tried {_cache_dir()}; set HF_ZEROONE_CACHE)")
+def _build_name() -> str:
+    """The extension's name: a hash of its sources, flags, torch and the CPU, so no machine loads another's build."""
+    parts = [p.read_bytes() for p in _SOURCES]
+    parts += [s.encode() for s in (" ".join(_FLAGS), torch.__version__, platform.machine(), _cpu_features())]
+    return "hf_zeroone_cpu_" + hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def _load() -> ctypes.CDLL | None:
+def _load() -> Any:  # noqa: ANN401 - the compiled module
     if os.environ.get(_ENV, "1") == "0" or sys.platform == "win32":
         return None
-    compiler = os.environ.get("CC") or "cc"
-    fix = f"install a C compiler (or set CC), or set {_ENV}=0 to run without them and silence this"
-    if shutil.which(compiler) is None:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX") or "c++"
+    fix = f"install a C++ compiler (or set CXX) and ninja (pip install ninja), or set {_ENV}=0 to silence this"
+    if shutil.which(compiler) is None or not cpp_extension.is_ninja_available():
+        missing = f"no C++ compiler ({compiler!r})" if shutil.which(compiler) is None else "no ninja"
         warnings.warn(
-            f"hf_zeroone: no C compiler ({compiler!r}) to build its fused CPU kernels; the optimizers' CPU steps "
-            f"run torch's operations instead (the same results, about 1.5x slower): {fix}",
+            f"hf_zeroone: {missing} to build its fused CPU kernels; the optimizers' CPU steps run torch's "
+            f"operations instead (the same results, about 1.5x slower): {fix}",
             RuntimeWarning,
             stacklevel=3,
         )
         return None
+    name = _build_name()
+    folder = _cache_dir() / name
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", "") or err
+        folder.mkdir(parents=True, exist_ok=True)
+        if not any(folder.glob("*.so")):
+            _log.warning("hf_zeroone: building its fused CPU kernels in %s (once per machine, about 30 s)", folder)
+        return cpp_extension.load(
+            name=name, sources=[str(_SOURCES[0])], extra_cflags=list(_FLAGS), build_directory=str(folder), verbose=False
+        )
+    except Exception as err:  # noqa: BLE001 - any failure to build or load leaves torch's operations
         warnings.warn(
-            f"hf_zeroone: building its fused CPU kernels failed ({str(detail).strip()[:500]}); the optimizers' "
-            f"CPU steps run torch's operations instead: {fix}",
+            f"hf_zeroone: building its fused CPU kernels failed ({str(err).strip()[-500:]}); the optimizers' CPU "
+            f"steps run torch's operations instead: {fix}",
             RuntimeWarning,
             stacklevel=3,
         )
         return None
-    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    lib.hz_split_denominators.argtypes = [i64, ptr, ptr, ptr, f32, ptr, f32]
-    lib.hz_plain_denominators.argtypes = [i64, ptr, ptr, f32, f32]
-    lib.hz_all_finite.argtypes = [i64, ptr, ptr]
-    lib.hz_all_finite.restype = ctypes.c_int
-    lib.hz_scaled_denominators.argtypes = [i64, ptr, ptr, ptr, f32]
-    lib.hz_adam_update.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, f32, ctypes.c_int, f32, f32]
-    lib.hz_scaled_difference.argtypes = [i64, ptr, ptr, ptr, ptr, ptr]
-    lib.hz_scaled_product.argtypes = [i64, ptr, ptr, ptr, ptr, ptr]
-    lib.hz_clip_to_bounds.argtypes = [i64, ptr, ptr, ptr, ptr, f32]
-    lib.hz_masked_ratios.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr]
-    for fn in (
-        lib.hz_split_denominators,
-        lib.hz_plain_denominators,
-        lib.hz_scaled_denominators,
-        lib.hz_clip_to_bounds,
-        lib.hz_masked_ratios,
-    ):
-        fn.restype = None
-    return lib
 
 
-def _library_or_none() -> ctypes.CDLL | None:
+def _library_or_none() -> Any:  # noqa: ANN401
     global _library, _tried
     if not _tried:
         _tried = True
         _library = _load()
-        if _library is not None and not _agrees_with_torch(_library):
+        if _library is not None and not _agrees_with_torch():
             warnings.warn(
-                "hf_zeroone: its fused CPU kernels, as this machine's C compiler built them, do not give torch's "
+                "hf_zeroone: its fused CPU kernels, as this machine's compiler built them, do not give torch's "
                 f"bits; the optimizers' CPU steps run torch's operations instead (set {_ENV}=0 to silence this)",
                 RuntimeWarning,
                 stacklevel=3,
@@ -174,39 +144,24 @@ def enabled() -> bool:
     return _library_or_none() is not None
 
 
-def _takes(*lists: Sequence[Tensor]) -> bool:
-    first = lists[0]
-    if not first or not first[0].is_cpu:
-        return False
-    limit = _GRAIN if torch.get_num_threads() > 1 else None
-    f32 = torch.float32
-    for ts in lists:
-        for t in ts:  # dtypes are singletons; is_cpu reads a flag (device.type builds an object)
-            if t.dtype is not f32 or not t.is_cpu or not t.is_contiguous():
-                return False
-            if limit is not None and t.numel() >= limit:
-                return False
-    return _library_or_none() is not None
-
-
-def _pointers(tensors: Sequence[Tensor]) -> ctypes.Array:
-    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
-
-
-def _counts(tensors: Sequence[Tensor], *partners: Sequence[Tensor]) -> ctypes.Array | None:
-    """The element counts of ``tensors``; ``None`` where a partner (same index) has another count."""
-    counts = [t.numel() for t in tensors]
-    if any([t.numel() for t in other] != counts for other in partners):
+def _ready(tensors: Sequence[Tensor]) -> Any:  # noqa: ANN401
+    """The compiled module where ``tensors`` (a list's first) are on the CPU and the kernels are on, else ``None``."""
+    if not tensors or not tensors[0].is_cpu:
         return None
-    return (ctypes.c_int64 * len(counts))(*counts)
+    return _library_or_none()
+
+
+def _limit() -> int:
+    """Tensors of this many elements stay with torch (0: none), which splits them over its threads."""
+    return _GRAIN if torch.get_num_threads() > 1 else 0
 
 
 def all_finite(tensors: Sequence[Tensor]) -> bool | None:
     """Whether no element of any tensor is NaN or infinite (exact: read from the exponent bits)."""
     tensors = list(tensors)
-    if not _takes(tensors):
-        return None
-    return bool(_library_or_none().hz_all_finite(len(tensors), _pointers(tensors), _counts(tensors)))
+    lib = _ready(tensors)
+    found = -1 if lib is None else lib.all_finite(tensors, _limit())
+    return None if found < 0 else bool(found)
 
 
 def split_denominators_(roots: Sequence[Tensor], root_c2: float, scales: Tensor, eps: float) -> list[Tensor] | None:
@@ -215,67 +170,44 @@ def split_denominators_(roots: Sequence[Tensor], root_c2: float, scales: Tensor,
     ``scales``: one float32 per tensor. The scalars round to float32 as torch's 0-dim operands do.
     """
     roots = list(roots)
-    if not _takes(roots) or scales.dtype != torch.float32 or scales.numel() != len(roots):
-        return None
-    scales = scales.contiguous().cpu()
-    plain = [torch.empty_like(r) for r in roots]
-    _library_or_none().hz_split_denominators(
-        len(roots), _pointers(roots), _pointers(plain), _counts(roots), root_c2, scales.data_ptr(), eps
-    )
-    return plain
+    lib = _ready(roots)
+    return None if lib is None else lib.split_denominators(roots, root_c2, scales.tolist(), eps, _limit())
 
 
 def plain_denominators_(roots: Sequence[Tensor], root_c2: float, eps: float) -> bool:
     """``roots = roots / root_c2 + eps`` in place (fresh ``roots``); ``False`` where the kernels do not take them."""
     roots = list(roots)
-    if not _takes(roots):
-        return False
-    _library_or_none().hz_plain_denominators(len(roots), _pointers(roots), _counts(roots), root_c2, eps)
-    return True
+    lib = _ready(roots)
+    return lib is not None and lib.plain_denominators(roots, root_c2, eps, _limit())
 
 
 def scaled_denominators_(roots: Sequence[Tensor], scales: Tensor, eps: float) -> bool:
     """``roots = roots * scales[i] + eps`` in place (fresh ``roots``); ``False`` where the kernels do not take them."""
     roots = list(roots)
-    if not _takes(roots) or scales.dtype != torch.float32 or scales.numel() != len(roots):
-        return False
-    scales = scales.contiguous().cpu()
-    _library_or_none().hz_scaled_denominators(len(roots), _pointers(roots), _counts(roots), scales.data_ptr(), eps)
-    return True
+    lib = _ready(roots)
+    return lib is not None and lib.scaled_denominators(roots, scales.tolist(), eps, _limit())
 
 
 def clip_to_bounds(grads: Sequence[Tensor], dens: Sequence[Tensor], bound: float) -> list[Tensor] | None:
     """New ``maximum(minimum(g, d * bound), -(d * bound))`` for each pair (``torch.minimum``'s NaN rule)."""
     grads, dens = list(grads), list(dens)
-    counts = _counts(grads, dens) if _takes(grads, dens) else None
-    if counts is None:
-        return None
-    out = [torch.empty_like(g) for g in grads]
-    _library_or_none().hz_clip_to_bounds(len(grads), _pointers(grads), _pointers(dens), _pointers(out), counts, bound)
-    return out
+    lib = _ready(grads)
+    return None if lib is None else lib.clip_to_bounds(grads, dens, bound, _limit())
 
 
-def masked_ratios(
+def masked_ratio_norms(
     grads: Sequence[Tensor], dens: Sequence[Tensor], floors: Tensor, masked: Sequence[bool]
-) -> list[Tensor] | None:
-    """New ``g / d`` for each pair, 0 where ``d < floors[i]`` in the tensors that ``masked`` names."""
+) -> Tensor | None:
+    """The 2-norm of each ``g / d``, 0 where ``d < floors[i]`` in the tensors ``masked`` names (float32 vector).
+
+    ``torch._foreach_norm``'s bits: each ratio tensor is written into one scratch buffer and reduced
+    there by torch's own norm; the ratios are not kept.
+    """
     grads, dens = list(grads), list(dens)
-    counts = _counts(grads, dens) if _takes(grads, dens) and floors.dtype == torch.float32 else None
-    if counts is None or floors.numel() != len(grads):
+    lib = _ready(grads)
+    if lib is None or floors.dtype != torch.float32:
         return None
-    floors = floors.contiguous().cpu()
-    flags = (ctypes.c_uint8 * len(grads))(*[1 if m else 0 for m in masked])
-    out = [torch.empty_like(g) for g in grads]
-    _library_or_none().hz_masked_ratios(
-        len(grads), _pointers(grads), _pointers(dens), _pointers(out), counts, floors.data_ptr(), flags
-    )
-    return out
-
-
-def _same(a: Tensor, b: Tensor) -> bool:
-    """The same bits, NaN for NaN (whatever its payload)."""
-    nan = a.isnan()
-    return bool(torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32)))
+    return lib.masked_ratio_norms(grads, dens, floors.tolist(), [bool(m) for m in masked], _limit())
 
 
 def adam_update_(
@@ -293,22 +225,11 @@ def adam_update_(
     0.5 (torch's lerp takes another form there). Bumps the version counters of ``params`` and
     ``exp_avgs``, as torch's in-place operations do.
     """
-    params, grads, exp_avgs, dens = list(params), list(grads), list(exp_avgs), list(dens)
-    if not abs(weight) < 0.5 or not _takes(params, grads, exp_avgs, dens):
+    params = list(params)
+    lib = _ready(params)
+    if lib is None or not abs(weight) < 0.5:
         return False
-    counts = _counts(params, grads, exp_avgs, dens)
-    if counts is None:
-        return False
-    _library_or_none().hz_adam_update(
-        len(params), _pointers(params), _pointers(grads), _pointers(exp_avgs), _pointers(dens), counts,
-        weight, int(decay != 1.0), decay, value,
-    )  # fmt: skip
-    torch.autograd.graph.increment_version(params + exp_avgs)
-    return True
-
-
-def _floats(values: Sequence[float]) -> ctypes.Array:
-    return (ctypes.c_float * len(values))(*values)  # each rounded to float32, as torch's scalar operands are
+    return lib.adam_update(params, list(grads), list(exp_avgs), list(dens), weight, decay, value, _limit())
 
 
 def scaled_difference_(
@@ -319,31 +240,25 @@ def scaled_difference_(
     ``outs`` may be ``b`` itself (each element is read before it is written). Bumps the version
     counters of ``outs``. ``False`` (nothing written) where the kernels do not take the lists.
     """
-    outs, a, b = list(outs), list(a), list(b)
-    counts = _counts(outs, a, b) if _takes(outs, a, b) else None
-    if counts is None:
-        return False
-    _library_or_none().hz_scaled_difference(
-        len(outs), _pointers(outs), _pointers(a), _pointers(b), counts, _floats(factors)
-    )
-    torch.autograd.graph.increment_version(outs)
-    return True
+    outs = list(outs)
+    lib = _ready(outs)
+    return lib is not None and lib.scaled_difference(outs, list(a), list(b), [float(f) for f in factors], _limit())
 
 
 def scaled_product_(outs: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Tensor], scales: Sequence[float]) -> bool:
     """``out = scale * a * b`` per triple, into ``outs`` (torch's ``_foreach_zero_`` then ``_foreach_addcmul_``)."""
-    outs, a, b = list(outs), list(a), list(b)
-    counts = _counts(outs, a, b) if _takes(outs, a, b) else None
-    if counts is None:
-        return False
-    _library_or_none().hz_scaled_product(
-        len(outs), _pointers(outs), _pointers(a), _pointers(b), counts, _floats(scales)
-    )
-    torch.autograd.graph.increment_version(outs)
-    return True
+    outs = list(outs)
+    lib = _ready(outs)
+    return lib is not None and lib.scaled_product(outs, list(a), list(b), [float(f) for f in scales], _limit())
 
 
-def _agrees_with_torch(lib: ctypes.CDLL) -> bool:
+def _same(a: Tensor, b: Tensor) -> bool:
+    """The same bits, NaN for NaN (whatever its payload)."""
+    nan = a.isnan()
+    return bool(torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32)))
+
+
+def _agrees_with_torch() -> bool:
     """Each kernel against the torch operations it stands for, on values with every float32 class in them."""
     gen = torch.Generator().manual_seed(0)
     sizes = (1, 7, 33, 1000)
@@ -368,11 +283,13 @@ def _agrees_with_torch(lib: ctypes.CDLL) -> bool:
         want = [torch.maximum(torch.minimum(g, b), -b) for g, b in zip(grads, bounds)]
         ok &= all(map(_same, clipped, want))
         floors = torch.full((len(sizes),), 2e-4)
-        ratios = masked_ratios(grads, want_plain, floors, [True, False, True, False])
-        want = [g / d for g, d in zip(grads, want_plain)]
+        shaped = [g[: (g.numel() // 4) * 4].reshape(-1, 4) for g in grads]  # 2-D tensors: the norm's order
+        shaped_dens = [d[: (d.numel() // 4) * 4].reshape(-1, 4) for d in want_plain]
+        norms = masked_ratio_norms(shaped, shaped_dens, floors, [True, False, True, False])
+        want = [g / d for g, d in zip(shaped, shaped_dens)]
         for i in (0, 2):
-            want[i].masked_fill_(want_plain[i] < floors[i], 0.0)
-        ok &= all(map(_same, ratios, want))
+            want[i].masked_fill_(shaped_dens[i] < floors[i], 0.0)
+        ok &= _same(norms, torch.stack(torch._foreach_norm(want)))
         for decay in (1.0, 0.99):
             ps, ms = [g.clone() for g in grads], [d.clone() for d in want_plain]
             adam_update_(ps, want_scaled, ms, want_plain, 0.1, decay, -3e-3)

@@ -10,18 +10,23 @@ costs a warning and nothing else, and ``HF_ZEROONE_CPU_KERNELS=0`` turns them of
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import warnings
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
 from hf_zeroone import OneBitAdam, ZeroOneAdam, _cpu_kernels
 from hf_zeroone._tensors import all_finite
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._grad_scale import scale_samples
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX") or "c++") is None or not cpp_extension.is_ninja_available(),
+    reason="no C++ compiler or ninja on this machine",
+)
 
 _SPECIALS = [0.0, -0.0, 1e-45, -1e-45, 1e-38, 3.4e38, -3.4e38, float("inf"), -float("inf"), float("nan"), 1.0]
 
@@ -179,8 +184,8 @@ def _phases(cls, steps: int, monkeypatch, on: bool):  # noqa: ANN001, ANN202
 @pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
 def test_a_run_is_the_same_run_with_the_kernels_and_without(kernels, monkeypatch, cls):  # noqa: ANN001
     calls = []
-    real = _cpu_kernels._counts
-    monkeypatch.setattr(_cpu_kernels, "_counts", lambda ts, *more: calls.append(len(ts)) or real(ts, *more))
+    real = _cpu_kernels._ready
+    monkeypatch.setattr(_cpu_kernels, "_ready", lambda ts: calls.append(len(ts)) or real(ts))
     fused = _phases(cls, 24, monkeypatch, on=True)
     assert len(calls) >= 24  # the kernels ran, every step
     plain = _phases(cls, 24, monkeypatch, on=False)
@@ -198,7 +203,7 @@ def test_a_library_built_with_other_rounding_is_refused(monkeypatch, tmp_path): 
     monkeypatch.setattr(_cpu_kernels, "_FLAGS", tuple(f.replace("off", "fast") for f in _cpu_kernels._FLAGS))
     monkeypatch.setattr(_cpu_kernels, "_tried", False)
     monkeypatch.setattr(_cpu_kernels, "_library", None)
-    lib = _cpu_kernels._load()
+    lib = _cpu_kernels._load()  # a build of its own (about 30 s)
     if lib is None:
         pytest.skip("the compiler built nothing with these flags")
     scales = torch.tensor([1.1], dtype=torch.float32)
@@ -210,7 +215,7 @@ def test_a_library_built_with_other_rounding_is_refused(monkeypatch, tmp_path): 
     _cpu_kernels.scaled_denominators_(roots, scales, 1e-3)
     if _same(roots[0], x * scales[0] + torch.tensor(1e-3)):
         pytest.skip("no fused multiply-add on this CPU: nothing for the check to find")
-    assert not _cpu_kernels._agrees_with_torch(lib)
+    assert not _cpu_kernels._agrees_with_torch()
     monkeypatch.setattr(_cpu_kernels, "_tried", False)
     monkeypatch.setattr(_cpu_kernels, "_library", None)
     monkeypatch.setattr(_cpu_kernels, "_load", lambda: lib)
@@ -221,10 +226,10 @@ def test_a_library_built_with_other_rounding_is_refused(monkeypatch, tmp_path): 
 
 def test_without_a_compiler_a_warning_and_torchs_operations(monkeypatch, tmp_path):  # noqa: ANN001
     monkeypatch.setenv("HF_ZEROONE_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(_cpu_kernels, "_tried", False)
     monkeypatch.setattr(_cpu_kernels, "_library", None)
-    with pytest.warns(RuntimeWarning, match="no C compiler .*set HF_ZEROONE_CPU_KERNELS=0"):
+    with pytest.warns(RuntimeWarning, match=r"no C\+\+ compiler .*set HF_ZEROONE_CPU_KERNELS=0"):
         assert not _cpu_kernels.enabled()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once

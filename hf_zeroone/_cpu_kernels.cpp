@@ -1,0 +1,188 @@
+// torch bindings of the loops in _cpu_kernels.c (see _cpu_kernels.py): lists of tensors in, checked
+// and walked here, so a list of hundreds of tensors costs one call from Python and no Python loop.
+//
+// Every function first checks that it can take its lists: float32, contiguous, on the CPU, the same
+// element counts across the lists it pairs, and (when `limit` > 0) no tensor of `limit` elements or
+// more (torch would split those over threads). If not, it writes nothing and returns "not taken"
+// (an empty optional, or false), and the caller runs torch's operations.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "_cpu_kernels.c"
+
+namespace {
+
+using Tensors = std::vector<at::Tensor>;
+
+// Pointers and element counts of `ts`, or false when one does not qualify (see the file's comment).
+bool walk(const Tensors& ts, int64_t limit, std::vector<float*>& ptrs, std::vector<int64_t>& counts) {
+    ptrs.clear();
+    counts.clear();
+    ptrs.reserve(ts.size());
+    counts.reserve(ts.size());
+    for (const auto& t : ts) {
+        if (!t.defined() || !t.device().is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous()) return false;
+        if (limit > 0 && t.numel() >= limit) return false;
+        ptrs.push_back(t.data_ptr<float>());
+        counts.push_back(t.numel());
+    }
+    return true;
+}
+
+// `walk` for a list paired element by element with `counts` (the same number of tensors and elements).
+bool walk_paired(const Tensors& ts, int64_t limit, const std::vector<int64_t>& counts, std::vector<float*>& ptrs) {
+    std::vector<int64_t> own;
+    return ts.size() == counts.size() && walk(ts, limit, ptrs, own) && own == counts;
+}
+
+Tensors empty_like_each(const Tensors& ts, std::vector<float*>& ptrs) {
+    Tensors out;
+    out.reserve(ts.size());
+    ptrs.clear();
+    for (const auto& t : ts) {
+        out.push_back(at::empty_like(t, at::MemoryFormat::Contiguous));
+        ptrs.push_back(out.back().data_ptr<float>());
+    }
+    return out;
+}
+
+// What torch's in-place operations do: autograd sees the tensor as written.
+void bump_versions(const Tensors& ts) {
+    for (const auto& t : ts) {
+        if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+    }
+}
+
+std::vector<float> as_floats(const std::vector<double>& values) {
+    return std::vector<float>(values.begin(), values.end());  // rounded to nearest, as torch's scalar operands
+}
+
+int all_finite(const Tensors& ts, int64_t limit) {
+    std::vector<float*> p;
+    std::vector<int64_t> n;
+    if (ts.empty() || !walk(ts, limit, p, n)) return -1;
+    return hz_all_finite((int64_t)ts.size(), p.data(), n.data());
+}
+
+std::optional<Tensors> split_denominators(const Tensors& roots, double root_c2, const std::vector<double>& scales,
+                                          double eps, int64_t limit) {
+    std::vector<float*> r, o;
+    std::vector<int64_t> n;
+    if (roots.empty() || scales.size() != roots.size() || !walk(roots, limit, r, n)) return std::nullopt;
+    Tensors plain = empty_like_each(roots, o);
+    auto s = as_floats(scales);
+    hz_split_denominators((int64_t)roots.size(), r.data(), o.data(), n.data(), (float)root_c2, s.data(), (float)eps);
+    bump_versions(roots);
+    return plain;
+}
+
+bool plain_denominators(const Tensors& roots, double root_c2, double eps, int64_t limit) {
+    std::vector<float*> r;
+    std::vector<int64_t> n;
+    if (roots.empty() || !walk(roots, limit, r, n)) return false;
+    hz_plain_denominators((int64_t)roots.size(), r.data(), n.data(), (float)root_c2, (float)eps);
+    bump_versions(roots);
+    return true;
+}
+
+bool scaled_denominators(const Tensors& roots, const std::vector<double>& scales, double eps, int64_t limit) {
+    std::vector<float*> r;
+    std::vector<int64_t> n;
+    if (roots.empty() || scales.size() != roots.size() || !walk(roots, limit, r, n)) return false;
+    auto s = as_floats(scales);
+    hz_scaled_denominators((int64_t)roots.size(), r.data(), n.data(), s.data(), (float)eps);
+    bump_versions(roots);
+    return true;
+}
+
+std::optional<Tensors> clip_to_bounds(const Tensors& grads, const Tensors& dens, double bound, int64_t limit) {
+    std::vector<float*> g, d, o;
+    std::vector<int64_t> n;
+    if (grads.empty() || !walk(grads, limit, g, n) || !walk_paired(dens, limit, n, d)) return std::nullopt;
+    Tensors out = empty_like_each(grads, o);
+    hz_clip_to_bounds((int64_t)grads.size(), g.data(), d.data(), o.data(), n.data(), (float)bound);
+    return out;
+}
+
+// The 2-norm of each g / d, set to 0 where d < floor in the masked tensors, as torch computes it, without keeping the ratios:
+// each is written into one scratch buffer in turn and reduced there by torch's own norm (the kernel that
+// torch._foreach_norm runs tensor by tensor on the CPU), so the norms are torch's bits.
+std::optional<at::Tensor> masked_ratio_norms(const Tensors& grads, const Tensors& dens,
+                                             const std::vector<double>& floors, const std::vector<bool>& masked,
+                                             int64_t limit) {
+    std::vector<float*> g, d;
+    std::vector<int64_t> n;
+    if (grads.empty() || floors.size() != grads.size() || masked.size() != grads.size() ||
+        !walk(grads, limit, g, n) || !walk_paired(dens, limit, n, d))
+        return std::nullopt;
+    const int64_t largest = *std::max_element(n.begin(), n.end());
+    at::Tensor scratch = at::empty({largest}, grads[0].options().memory_format(at::MemoryFormat::Contiguous));
+    at::Tensor norms = at::empty({(int64_t)grads.size()}, grads[0].options());
+    float* s = scratch.data_ptr<float>();
+    float* out = norms.data_ptr<float>();
+    for (size_t t = 0; t < grads.size(); t++) {
+        const float f = (float)floors[t];
+        const uint8_t flag = masked[t] ? 1 : 0;
+        hz_masked_ratios(1, &g[t], &d[t], &s, &n[t], &f, &flag);
+        out[t] = at::linalg_vector_norm(scratch.narrow(0, 0, n[t]), 2).item<float>();
+    }
+    return norms;
+}
+
+bool adam_update(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs, const Tensors& dens,
+                 double weight, double decay, double value, int64_t limit) {
+    std::vector<float*> p, g, m, d;
+    std::vector<int64_t> n;
+    if (params.empty() || !walk(params, limit, p, n) || !walk_paired(grads, limit, n, g) ||
+        !walk_paired(exp_avgs, limit, n, m) || !walk_paired(dens, limit, n, d))
+        return false;
+    hz_adam_update((int64_t)params.size(), p.data(), g.data(), m.data(), d.data(), n.data(), (float)weight,
+                   decay != 1.0, (float)decay, (float)value);
+    bump_versions(params);
+    bump_versions(exp_avgs);
+    return true;
+}
+
+bool scaled_difference(const Tensors& outs, const Tensors& a, const Tensors& b, const std::vector<double>& factors,
+                       int64_t limit) {
+    std::vector<float*> o, x, y;
+    std::vector<int64_t> n;
+    if (outs.empty() || factors.size() != outs.size() || !walk(outs, limit, o, n) || !walk_paired(a, limit, n, x) ||
+        !walk_paired(b, limit, n, y))
+        return false;
+    auto f = as_floats(factors);
+    hz_scaled_difference((int64_t)outs.size(), o.data(), x.data(), y.data(), n.data(), f.data());
+    bump_versions(outs);
+    return true;
+}
+
+bool scaled_product(const Tensors& outs, const Tensors& a, const Tensors& b, const std::vector<double>& scales,
+                    int64_t limit) {
+    std::vector<float*> o, x, y;
+    std::vector<int64_t> n;
+    if (outs.empty() || scales.size() != outs.size() || !walk(outs, limit, o, n) || !walk_paired(a, limit, n, x) ||
+        !walk_paired(b, limit, n, y))
+        return false;
+    auto s = as_floats(scales);
+    hz_scaled_product((int64_t)outs.size(), o.data(), x.data(), y.data(), n.data(), s.data());
+    bump_versions(outs);
+    return true;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("all_finite", &all_finite);
+    m.def("split_denominators", &split_denominators);
+    m.def("plain_denominators", &plain_denominators);
+    m.def("scaled_denominators", &scaled_denominators);
+    m.def("clip_to_bounds", &clip_to_bounds);
+    m.def("masked_ratio_norms", &masked_ratio_norms);
+    m.def("adam_update", &adam_update);
+    m.def("scaled_difference", &scaled_difference);
+    m.def("scaled_product", &scaled_product);
+}

@@ -147,30 +147,28 @@ bool adam_update(const Tensors& params, const Tensors& grads, const Tensors& exp
     return true;
 }
 
-bool scaled_difference(const Tensors& outs, const Tensors& a, const Tensors& b, const std::vector<double>& factors,
-                       int64_t limit) {
+// out = a * factor - b (elementwise = hz_scaled_difference) or out = 0 + (factor * a) * b (hz_scaled_product).
+bool triple(void (*elementwise)(int64_t, float**, float**, float**, const int64_t*, const float*), const Tensors& outs,
+            const Tensors& a, const Tensors& b, const std::vector<double>& factors, int64_t limit) {
     std::vector<float*> o, x, y;
     std::vector<int64_t> n;
     if (outs.empty() || factors.size() != outs.size() || !walk(outs, limit, o, n) || !walk_paired(a, limit, n, x) ||
         !walk_paired(b, limit, n, y))
         return false;
     auto f = as_floats(factors);
-    hz_scaled_difference((int64_t)outs.size(), o.data(), x.data(), y.data(), n.data(), f.data());
+    elementwise((int64_t)outs.size(), o.data(), x.data(), y.data(), n.data(), f.data());
     bump_versions(outs);
     return true;
 }
 
+bool scaled_difference(const Tensors& outs, const Tensors& a, const Tensors& b, const std::vector<double>& factors,
+                       int64_t limit) {
+    return triple(&hz_scaled_difference, outs, a, b, factors, limit);
+}
+
 bool scaled_product(const Tensors& outs, const Tensors& a, const Tensors& b, const std::vector<double>& scales,
                     int64_t limit) {
-    std::vector<float*> o, x, y;
-    std::vector<int64_t> n;
-    if (outs.empty() || scales.size() != outs.size() || !walk(outs, limit, o, n) || !walk_paired(a, limit, n, x) ||
-        !walk_paired(b, limit, n, y))
-        return false;
-    auto s = as_floats(scales);
-    hz_scaled_product((int64_t)outs.size(), o.data(), x.data(), y.data(), n.data(), s.data());
-    bump_versions(outs);
-    return true;
+    return triple(&hz_scaled_product, outs, a, b, scales, limit);
 }
 
 }  // namespace

@@ -96,28 +96,18 @@ def test_clipping_and_the_scale_samples_are_torchs_bits(kernels, monkeypatch, se
     idle = [i % 2 == 0 for i in range(len(dens))]
     clipped = F.clip_to_variance(grads, dens, 0.999)
     samples = [scale_samples(grads, dens, means, counts, mask, 1e-8) for mask in (idle, None)]
-    finite = [
-        all_finite(ts)
-        for ts in (
-            grads,
-            [torch.tensor([1e-45, -0.0, 3.4e38])],
-            [torch.tensor([float("nan")])],
-            [torch.zeros(0), torch.ones(3)],
-        )
-    ]
+    checked = (
+        grads,
+        [torch.tensor([1e-45, -0.0, 3.4e38])],
+        [torch.tensor([float("nan")])],
+        [torch.zeros(0), torch.ones(3)],
+    )
+    finite = [all_finite(ts) for ts in checked]
     _kernels_off(monkeypatch)
     assert all(map(_same, clipped, F.clip_to_variance(grads, dens, 0.999)))
     assert _same(samples[0], scale_samples(grads, dens, means, counts, idle, 1e-8))
     assert _same(samples[1], scale_samples(grads, dens, means, counts, None, 1e-8))
-    assert finite == [
-        all_finite(ts)
-        for ts in (
-            grads,
-            [torch.tensor([1e-45, -0.0, 3.4e38])],
-            [torch.tensor([float("nan")])],
-            [torch.zeros(0), torch.ones(3)],
-        )
-    ]
+    assert finite == [all_finite(ts) for ts in checked]
     assert finite == [False, True, False, True]
 
 

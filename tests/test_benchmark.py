@@ -137,3 +137,21 @@ def test_benchmark_in_rate_limited_netns(tmp_path: Path) -> None:
     finally:
         if name in _namespaces():  # never leave one behind, even when the assertions fail
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def test_the_100mbit_goal_is_measured_without_ddp_in_the_methods() -> None:
+    """``--methods onebit,zeroone,nocomm`` in a namespace measures the 100 Mbit/s goal (it said "needs netns")."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    try:
+        from bench.analysis import evaluate_targets
+    finally:
+        sys.path.remove(str(REPO / "recipes"))
+
+    def method(samples_per_s: float, phase: str) -> dict:
+        return {"phases": {phase: {"samples_per_s": samples_per_s}}, "whole_run": {"samples_per_s": samples_per_s}}
+
+    methods = {"onebit": method(24.0, "compression"), "zeroone": method(30.4, "local"), "nocomm": method(32.0, "all")}
+    configs = [{"rate": "100mbit", "netns": True, "methods": methods}]
+    pack = {"numel": 4, "pack_gbps": 9.0, "unpack_gbps": 9.0, "pack_unpack_gbps": 4.5}
+    lines = [t for t in evaluate_targets(configs, pack, wire_measured=True) if "100 Mbit/s: " in t["text"]]
+    assert [(t["status"], t["text"].split(" = ")[1].split(" ")[0]) for t in lines] == [("MISS", "75%"), ("PASS", "95%")]

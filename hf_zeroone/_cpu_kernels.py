@@ -110,8 +110,20 @@ def _load() -> Any:  # noqa: ANN401 - the compiled module
         folder.mkdir(parents=True, exist_ok=True)
         if not any(folder.glob("*.so")):
             _log.warning("hf_zeroone: building its fused CPU kernels in %s (once per machine, about 30 s)", folder)
+        # compiled from copies inside the folder: torch rebuilds when the source's path changes, and two
+        # installations of the same sources (two checkouts, two environments) then share one build
+        for source in _SOURCES:
+            copy = folder / source.name
+            if not copy.exists() or copy.read_bytes() != source.read_bytes():
+                scratch = folder / f".{source.name}.{os.getpid()}"
+                scratch.write_bytes(source.read_bytes())
+                os.replace(scratch, copy)  # atomic: ranks starting together each see a whole file
         return cpp_extension.load(
-            name=name, sources=[str(_SOURCES[0])], extra_cflags=list(_FLAGS), build_directory=str(folder), verbose=False
+            name=name,
+            sources=[str(folder / _SOURCES[0].name)],
+            extra_cflags=list(_FLAGS),
+            build_directory=str(folder),
+            verbose=False,
         )
     except Exception as err:  # noqa: BLE001 - any failure to build or load leaves torch's operations
         warnings.warn(

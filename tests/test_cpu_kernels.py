@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,3 +239,19 @@ def test_the_switch_turns_them_off_without_a_word(monkeypatch):  # noqa: ANN001
         warnings.simplefilter("error")
         assert not _cpu_kernels.enabled()
     assert math.isclose(F.denominators([torch.full((2,), 9.0)], 1.0, 0.0)[0][0].item(), 3.0)
+
+
+def test_two_installations_of_the_same_sources_share_one_build(kernels, tmp_path):  # noqa: ANN001
+    """torch rebuilds an extension whose source path changed: two checkouts used to rebuild each other's."""
+    folder = _cpu_kernels._cache_dir() / _cpu_kernels._build_name()
+    built = {p: p.stat().st_mtime_ns for p in folder.glob("*.so")}
+    assert built
+    package = Path(_cpu_kernels.__file__).parent
+    shutil.copytree(package, tmp_path / "hf_zeroone", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "HF_ZEROONE_CACHE": str(_cpu_kernels._cache_dir())}
+    code = "import hf_zeroone, hf_zeroone._cpu_kernels as k; print(hf_zeroone.__file__, k.enabled())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert out.stdout.split() == [str(tmp_path / "hf_zeroone" / "__init__.py"), "True"], out.stderr
+    assert {p: p.stat().st_mtime_ns for p in folder.glob("*.so")} == built  # loaded, not built again

@@ -13,7 +13,10 @@
 #include <stdint.h>
 
 /* torch.minimum / torch.maximum of float32 on the CPU: NaN wins, otherwise (a < b) ? a : b, which
- * on equal values (+0 and -0) returns b, as the vectorised kernels' min/max instructions do. */
+ * on equal values (+0 and -0) returns b, as the vectorised kernels' min/max instructions do. Two
+ * differences, neither of which reaches a result: torch's scalar loop over a vector's remainder
+ * returns a on a tie, which differs only for a zero bound (eps = 0 and v = 0 there), and torch
+ * writes its own NaN where this passes the input's on (a step with a NaN is skipped). */
 static inline float nan_min(float a, float b) { return (a != a) ? a : ((b != b) ? b : (a < b ? a : b)); }
 static inline float nan_max(float a, float b) { return (a != a) ? a : ((b != b) ? b : (a > b ? a : b)); }
 
@@ -42,14 +45,14 @@ void hz_scaled_difference(int64_t n, float **out, float **a, float **b, const in
     }
 }
 
-/* out = 0 + (scale[t] * a) * b: torch's zero_ then addcmul_ (a sync's momentum m = c1 d u / sum(lr));
- * the + 0 turns a product of -0 into +0, as the addition does there. */
+/* out = 0 + (scale[t] * a) * b: torch's zero_ then addcmul_ (a sync's momentum m = c1 d u / sum(lr)),
+ * whose multiply-add is fused: one rounding, and a product that underflows to -0 stays -0. */
 void hz_scaled_product(int64_t n, float **out, float **a, float **b, const int64_t *numel, const float *scale) {
     for (int64_t t = 0; t < n; t++) {
         float *o = out[t];
         const float *x = a[t], *y = b[t];
         const float s = scale[t];
-        for (int64_t i = 0; i < numel[t]; i++) o[i] = 0.0f + (s * x[i]) * y[i];
+        for (int64_t i = 0; i < numel[t]; i++) o[i] = fmaf(s * x[i], y[i], 0.0f);
     }
 }
 

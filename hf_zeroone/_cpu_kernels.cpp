@@ -25,7 +25,12 @@ bool walk(const Tensors& ts, int64_t limit, std::vector<float*>& ptrs, std::vect
     ptrs.reserve(ts.size());
     counts.reserve(ts.size());
     for (const auto& t : ts) {
-        if (!t.defined() || !t.device().is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous()) return false;
+        // dense CPU float32 storage of its own: no subclass dispatching in Python (DTensor), no sparse
+        // layout, no inference tensor (torch refuses writes to those outside inference mode)
+        if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || !t.has_storage() ||
+            t.unsafeGetTensorImpl()->is_python_dispatch() || t.is_inference() || t.scalar_type() != at::kFloat ||
+            !t.is_contiguous())
+            return false;
         if (limit > 0 && t.numel() >= limit) return false;
         ptrs.push_back(t.data_ptr<float>());
         counts.push_back(t.numel());
@@ -52,9 +57,7 @@ Tensors empty_like_each(const Tensors& ts, std::vector<float*>& ptrs) {
 
 // What torch's in-place operations do: autograd sees the tensor as written.
 void bump_versions(const Tensors& ts) {
-    for (const auto& t : ts) {
-        if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
-    }
+    for (const auto& t : ts) t.unsafeGetTensorImpl()->bump_version();
 }
 
 std::vector<float> as_floats(const std::vector<double>& values) {

@@ -26,17 +26,23 @@ which torch would split over cores and one loop here would not), and the caller 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
+import subprocess
 import sys
+import sysconfig
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -81,11 +87,51 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+def _compiler() -> list[str]:
+    """The C++ compiler's command (``$CXX``, which may carry a wrapper such as ``ccache g++``, else ``c++``)."""
+    return shlex.split(os.environ.get("CXX") or "c++")
+
+
 def _build_name() -> str:
-    """The extension's name: a hash of its sources, flags, torch and the CPU, so no machine loads another's build."""
+    """The extension's name: a hash of what the build depends on, so no environment loads another's build.
+
+    The sources and flags, torch's version, Python's extension ABI, the compiler's version and the
+    CPU's features (``-march=native``).
+    """
+    try:
+        version = subprocess.run([*_compiler(), "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
     parts = [p.read_bytes() for p in _SOURCES]
-    parts += [s.encode() for s in (" ".join(_FLAGS), torch.__version__, platform.machine(), _cpu_features())]
+    context = (" ".join(_FLAGS), torch.__version__, sysconfig.get_config_var("EXT_SUFFIX") or "", version)
+    parts += [s.encode() for s in (*context, platform.machine(), _cpu_features())]
     return "hf_zeroone_cpu_" + hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _building_alone(folder: Path, timeout_s: float = 900.0) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (released by the system when its holder dies), for at most ``timeout_s``.
+
+    torch's own lock file is left behind by a process killed mid-build, and every later process
+    then waits for it forever; inside this lock no one else is building, so it is removed.
+    """
+    import fcntl
+
+    with open(folder / ".hf_zeroone.lock", "w") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process held {folder} for {timeout_s:.0f} s") from None
+                time.sleep(0.2)
+        try:
+            (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _load() -> Any:  # noqa: ANN401 - the compiled module
@@ -93,10 +139,11 @@ def _load() -> Any:  # noqa: ANN401 - the compiled module
         return None
     from torch.utils import cpp_extension
 
-    compiler = os.environ.get("CXX") or "c++"
+    compiler = _compiler()
     fix = f"install a C++ compiler (or set CXX) and ninja (pip install ninja), or set {_ENV}=0 to silence this"
-    if shutil.which(compiler) is None or not cpp_extension.is_ninja_available():
-        missing = f"no C++ compiler ({compiler!r})" if shutil.which(compiler) is None else "no ninja"
+    found = bool(compiler) and shutil.which(compiler[0]) is not None
+    if not found or not cpp_extension.is_ninja_available():
+        missing = f"no C++ compiler ({' '.join(compiler)!r})" if not found else "no ninja"
         warnings.warn(
             f"hf_zeroone: {missing} to build its fused CPU kernels; the optimizers' CPU steps run torch's "
             f"operations instead (the same results, about 1.5x slower): {fix}",
@@ -110,21 +157,20 @@ def _load() -> Any:  # noqa: ANN401 - the compiled module
         folder.mkdir(parents=True, exist_ok=True)
         if not any(folder.glob("*.so")):
             _log.warning("hf_zeroone: building its fused CPU kernels in %s (once per machine, about 30 s)", folder)
-        # compiled from copies inside the folder: torch rebuilds when the source's path changes, and two
-        # installations of the same sources (two checkouts, two environments) then share one build
-        for source in _SOURCES:
-            copy = folder / source.name
-            if not copy.exists() or copy.read_bytes() != source.read_bytes():
-                scratch = folder / f".{source.name}.{os.getpid()}"
-                scratch.write_bytes(source.read_bytes())
-                os.replace(scratch, copy)  # atomic: ranks starting together each see a whole file
-        return cpp_extension.load(
-            name=name,
-            sources=[str(folder / _SOURCES[0].name)],
-            extra_cflags=list(_FLAGS),
-            build_directory=str(folder),
-            verbose=False,
-        )
+        with _building_alone(folder):
+            # compiled from copies inside the folder: torch rebuilds when the source's path changes, and
+            # two installations of the same sources (two checkouts, two environments) then share one build
+            for source in _SOURCES:
+                copy = folder / source.name
+                if not copy.exists() or copy.read_bytes() != source.read_bytes():
+                    copy.write_bytes(source.read_bytes())
+            return cpp_extension.load(
+                name=name,
+                sources=[str(folder / _SOURCES[0].name)],
+                extra_cflags=list(_FLAGS),
+                build_directory=str(folder),
+                verbose=False,
+            )
     except Exception as err:  # noqa: BLE001 - any failure to build or load leaves torch's operations
         warnings.warn(
             f"hf_zeroone: building its fused CPU kernels failed ({str(err).strip()[-500:]}); the optimizers' CPU "
@@ -239,7 +285,7 @@ def adam_update_(
     """
     params = list(params)
     lib = _ready(params)
-    if lib is None or not abs(weight) < 0.5:
+    if lib is None or not abs(float(np.float32(weight))) < 0.5:  # torch decides on the float32 weight
         return False
     return lib.adam_update(params, list(grads), list(exp_avgs), list(dens), weight, decay, value, _limit())
 
@@ -273,13 +319,15 @@ def _same(a: Tensor, b: Tensor) -> bool:
 def _agrees_with_torch() -> bool:
     """Each kernel against the torch operations it stands for, on values with every float32 class in them."""
     gen = torch.Generator().manual_seed(0)
+    f32 = {"dtype": torch.float32, "device": "cpu"}  # whatever torch's defaults are
     sizes = (1, 7, 33, 1000)
-    specials = torch.tensor([0.0, -0.0, 1e-45, 1e-38, 3e38, float("inf"), -1.0, 1.0])
-    grads = [torch.cat([torch.randn(n, generator=gen), specials]) for n in sizes]
-    roots = [torch.cat([torch.rand(n, generator=gen) * 1e-3, specials.abs()]) for n in sizes]
+    specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-38, 3e38, float("inf"), -1.0, 1.0], **f32)
+    tiny = [torch.randn(n, generator=gen, **f32) * 1e-13 for n in sizes]  # products that underflow to ±0
+    grads = [torch.cat([t, torch.randn(n, generator=gen, **f32), specials]) for t, n in zip(tiny, sizes)]
+    roots = [torch.cat([torch.rand(2 * n, generator=gen, **f32) * 1e-3, specials.abs()]) for n in sizes]
     root_c2, eps, bound = 0.3, 1e-8, 31.62
-    scales = torch.rand(len(sizes), generator=gen) + 0.5
-    t32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731 - torch's 0-dim operand
+    scales = torch.rand(len(sizes), generator=gen, **f32) + 0.5
+    t32 = lambda x: torch.tensor(x, **f32)  # noqa: E731 - torch's 0-dim operand
     try:
         split = [r.clone() for r in roots]
         plain = split_denominators_(split, root_c2, scales, eps)
@@ -294,7 +342,7 @@ def _agrees_with_torch() -> bool:
         bounds = [d * t32(bound) for d in want_plain]
         want = [torch.maximum(torch.minimum(g, b), -b) for g, b in zip(grads, bounds)]
         ok &= all(map(_same, clipped, want))
-        floors = torch.full((len(sizes),), 2e-4)
+        floors = torch.full((len(sizes),), 2e-4, **f32)
         shaped = [g[: (g.numel() // 4) * 4].reshape(-1, 4) for g in grads]  # 2-D tensors: the norm's order
         shaped_dens = [d[: (d.numel() // 4) * 4].reshape(-1, 4) for d in want_plain]
         norms = masked_ratio_norms(shaped, shaped_dens, floors, [True, False, True, False])
@@ -311,7 +359,7 @@ def _agrees_with_torch() -> bool:
                 torch._foreach_mul_(want_p, t32(decay))
             torch._foreach_addcdiv_(want_p, want_m, want_plain, value=-3e-3)
             ok &= all(map(_same, ps, want_p)) and all(map(_same, ms, want_m))
-        factors = [0.999, 1.0, 1e-3, 0.5]
+        factors = [0.999, 1.0, 1e-30, 0.5]  # 1e-30: products that underflow, to zeros of both signs
         out = [g.clone() for g in grads]
         scaled_difference_(out, want_plain, out, factors)
         want = [g.clone() for g in grads]
@@ -323,7 +371,8 @@ def _agrees_with_torch() -> bool:
         torch._foreach_zero_(want)
         torch._foreach_addcmul_(want, grads, want_plain, factors)
         ok &= all(map(_same, out, want))
-        ok &= all_finite([torch.ones(40)]) and not all_finite(grads) and not all_finite([torch.tensor([float("nan")])])
+        ok &= all_finite([torch.ones(40, **f32)]) and not all_finite(grads)
+        ok &= not all_finite([torch.tensor([float("nan")], **f32)])
         return bool(ok)
     except Exception:  # noqa: BLE001 - a broken library is not used
         return False

@@ -58,6 +58,30 @@ def kernels(monkeypatch):  # noqa: ANN001, ANN201
     assert _cpu_kernels.enabled()
 
 
+class _Counting:
+    """The compiled module, counting per function the calls it took (returned a result, or ``True``)."""
+
+    def __init__(self, lib) -> None:  # noqa: ANN001
+        self.lib, self.taken = lib, {}
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        fn = getattr(self.lib, name)
+
+        def counted(*args):  # noqa: ANN002, ANN202
+            out = fn(*args)
+            if out is not None and out is not False and not (isinstance(out, int) and out < 0):
+                self.taken[name] = self.taken.get(name, 0) + 1
+            return out
+
+        return counted
+
+
+def _counting(monkeypatch) -> _Counting:  # noqa: ANN001
+    counting = _Counting(_cpu_kernels._library_or_none())
+    monkeypatch.setattr(_cpu_kernels, "_library", counting)
+    return counting
+
+
 def _kernels_off(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(_cpu_kernels, "_tried", True)
     monkeypatch.setattr(_cpu_kernels, "_library", None)
@@ -127,11 +151,35 @@ def test_the_adam_update_is_torchs_bits_and_counts_as_in_place(kernels, monkeypa
                       update_variance=False, make_denominators=lambda: dens)  # fmt: skip
         return params, exp_avgs, [t._version - v for t, v in zip(params + exp_avgs, versions)]
 
+    counting = _counting(monkeypatch)
     fused = run()
+    # torch's lerp takes another form from a weight of 0.5 (beta1 = 0.3): that stays with torch
+    assert counting.taken.get("adam_update", 0) == (1 if beta1 > 0.5 else 0)
     _kernels_off(monkeypatch)
     plain = run()
     assert all(map(_same, fused[0], plain[0])) and all(map(_same, fused[1], plain[1]))
     assert all(bumped > 0 for bumped in fused[2])  # autograd sees the parameters written in place
+
+
+def test_the_sync_arithmetic_is_torchs_bits_also_for_products_that_underflow(kernels, monkeypatch):  # noqa: ANN001
+    """torch's addcmul rounds its multiply-add once: a product that underflows keeps its sign (-0)."""
+    grads, roots = _lists(4)
+    tiny = [g * 1e-13 for g in grads]
+    dens = F.denominators([r * r for r in roots], 0.3, 1e-8)
+    factors = [0.999, 1.0, 1e-30, 0.5, 1.0, 2.0, 1e-30, 0.25]
+    outs = [[t.clone() for t in tiny] for _ in range(2)]
+    counting = _counting(monkeypatch)
+    assert _cpu_kernels.scaled_difference_(outs[0], outs[0], dens, factors)  # outs aliasing a
+    assert _cpu_kernels.scaled_product_(outs[1], tiny, dens, factors)
+    assert counting.taken == {"scaled_difference": 1, "scaled_product": 1}
+    want = [t.clone() for t in tiny]
+    torch._foreach_mul_(want, factors)
+    torch._foreach_sub_(want, dens)
+    assert all(map(_same, outs[0], want))
+    torch._foreach_zero_(want)
+    torch._foreach_addcmul_(want, tiny, dens, factors)
+    assert all(map(_same, outs[1], want))
+    assert any(bool((w == 0).any() and w.signbit().any()) for w in want)  # -0 among them: the case is there
 
 
 def test_what_the_kernels_do_not_take_goes_to_torch(kernels):  # noqa: ANN001
@@ -140,6 +188,10 @@ def test_what_the_kernels_do_not_take_goes_to_torch(kernels):  # noqa: ANN001
     assert _cpu_kernels.clip_to_bounds([g.t()], [d], 3.0) is None  # not contiguous
     assert _cpu_kernels.clip_to_bounds([g.double()], [d.double()], 3.0) is None  # not float32
     assert _cpu_kernels.all_finite([]) is None
+    assert _cpu_kernels.all_finite([torch.ones(3).to_sparse()]) is None
+    with torch.inference_mode():
+        frozen = torch.ones(3)
+    assert _cpu_kernels.all_finite([frozen]) is None
     assert not _cpu_kernels.adam_update_([g], [g], [g.clone()], [d], 0.7, 1.0, -1e-3)  # torch's other lerp form
     big = torch.ones(_cpu_kernels._GRAIN)
     threads = torch.get_num_threads()
@@ -176,11 +228,12 @@ def _phases(cls, steps: int, monkeypatch, on: bool):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
 def test_a_run_is_the_same_run_with_the_kernels_and_without(kernels, monkeypatch, cls):  # noqa: ANN001
-    calls = []
-    real = _cpu_kernels._ready
-    monkeypatch.setattr(_cpu_kernels, "_ready", lambda ts: calls.append(len(ts)) or real(ts))
+    counting = _counting(monkeypatch)
     fused = _phases(cls, 24, monkeypatch, on=True)
-    assert len(calls) >= 24  # the kernels ran, every step
+    used = {"all_finite", "adam_update", "clip_to_bounds", "split_denominators", "masked_ratio_norms"}
+    if cls is ZeroOneAdam:
+        used |= {"scaled_difference", "scaled_product"}
+    assert set(counting.taken) >= used, counting.taken  # each kernel of these phases ran
     plain = _phases(cls, 24, monkeypatch, on=False)
     assert fused[2] == plain[2]
     kinds = {k.value for k in fused[2] if k is not None}

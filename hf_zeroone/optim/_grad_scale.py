@@ -201,10 +201,12 @@ def scale_samples(
     """
     grads, dens = F.as_dtype(grads, torch.float32), list(dens)
     floors = idle_floors(means, eps)
-    fused = _cpu_kernels.masked_ratio_norms(grads, dens, floors, [True] * len(grads) if idle is None else idle)
-    if fused is not None:  # the CPU: the division and the mask in one pass per tensor, no ratios kept
+    on_cpu = not dens or not stacks_by_shape(dens[0].device)
+    masked = [True] * len(grads) if idle is None else idle
+    fused = _cpu_kernels.masked_ratio_norms(grads, dens, floors, masked) if on_cpu else None
+    if fused is not None:  # the division and the mask in one pass per tensor, no ratios kept
         return fused.square_().div_(counts)
-    if not dens or not stacks_by_shape(dens[0].device):  # the CPU: one masked fill per tensor
+    if on_cpu:  # the CPU without the kernels: one masked fill per tensor
         ratios = list(torch._foreach_div(grads, dens))
         for i, (r, d, floor) in enumerate(zip(ratios, dens, floors.unbind())):
             if idle is None or idle[i]:

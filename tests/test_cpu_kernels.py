@@ -308,3 +308,14 @@ def test_two_installations_of_the_same_sources_share_one_build(kernels, tmp_path
     )
     assert out.stdout.split() == [str(tmp_path / "hf_zeroone" / "__init__.py"), "True"], out.stderr
     assert {p: p.stat().st_mtime_ns for p in folder.glob("*.so")} == built  # loaded, not built again
+
+
+def test_a_build_killed_midway_does_not_stop_the_next_process(kernels, tmp_path):  # noqa: ANN001
+    """torch's lock file outlives a process killed while building: the next one used to wait for it forever."""
+    folder = _cpu_kernels._cache_dir() / _cpu_kernels._build_name()
+    (folder / "lock").write_text("")  # what a killed build leaves
+    code = "import hf_zeroone._cpu_kernels as k; print(k.enabled())"
+    env = {**os.environ, "HF_ZEROONE_CACHE": str(_cpu_kernels._cache_dir())}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True"], out.stderr
+    assert not (folder / "lock").exists()

@@ -60,6 +60,17 @@ void bump_versions(const Tensors& ts) {
     for (const auto& t : ts) t.unsafeGetTensorImpl()->bump_version();
 }
 
+// One float32 per tensor of a list, from a CPU float32 vector (no read of it in Python: a hook's
+// hot path reads nothing on the host); empty where `values` does not qualify.
+std::vector<float> per_tensor(const at::Tensor& values, size_t count) {
+    if (!values.defined() || !values.device().is_cpu() || values.scalar_type() != at::kFloat ||
+        values.numel() != (int64_t)count)
+        return {};
+    at::Tensor dense = values.contiguous();
+    const float* v = dense.data_ptr<float>();
+    return std::vector<float>(v, v + count);
+}
+
 std::vector<float> as_floats(const std::vector<double>& values) {
     return std::vector<float>(values.begin(), values.end());  // rounded to nearest, as torch's scalar operands
 }
@@ -71,13 +82,13 @@ int all_finite(const Tensors& ts, int64_t limit) {
     return hz_all_finite((int64_t)ts.size(), p.data(), n.data());
 }
 
-std::optional<Tensors> split_denominators(const Tensors& roots, double root_c2, const std::vector<double>& scales,
-                                          double eps, int64_t limit) {
+std::optional<Tensors> split_denominators(const Tensors& roots, double root_c2, const at::Tensor& scales, double eps,
+                                          int64_t limit) {
     std::vector<float*> r, o;
     std::vector<int64_t> n;
-    if (roots.empty() || scales.size() != roots.size() || !walk(roots, limit, r, n)) return std::nullopt;
+    auto s = per_tensor(scales, roots.size());
+    if (roots.empty() || s.empty() || !walk(roots, limit, r, n)) return std::nullopt;
     Tensors plain = empty_like_each(roots, o);
-    auto s = as_floats(scales);
     hz_split_denominators((int64_t)roots.size(), r.data(), o.data(), n.data(), (float)root_c2, s.data(), (float)eps);
     bump_versions(roots);
     return plain;
@@ -92,11 +103,11 @@ bool plain_denominators(const Tensors& roots, double root_c2, double eps, int64_
     return true;
 }
 
-bool scaled_denominators(const Tensors& roots, const std::vector<double>& scales, double eps, int64_t limit) {
+bool scaled_denominators(const Tensors& roots, const at::Tensor& scales, double eps, int64_t limit) {
     std::vector<float*> r;
     std::vector<int64_t> n;
-    if (roots.empty() || scales.size() != roots.size() || !walk(roots, limit, r, n)) return false;
-    auto s = as_floats(scales);
+    auto s = per_tensor(scales, roots.size());
+    if (roots.empty() || s.empty() || !walk(roots, limit, r, n)) return false;
     hz_scaled_denominators((int64_t)roots.size(), r.data(), n.data(), s.data(), (float)eps);
     bump_versions(roots);
     return true;
@@ -114,13 +125,13 @@ std::optional<Tensors> clip_to_bounds(const Tensors& grads, const Tensors& dens,
 // The 2-norm of each g / d, set to 0 where d < floor in the masked tensors, as torch computes it, without keeping the ratios:
 // each is written into one scratch buffer in turn and reduced there by torch's own norm (the kernel that
 // torch._foreach_norm runs tensor by tensor on the CPU), so the norms are torch's bits.
-std::optional<at::Tensor> masked_ratio_norms(const Tensors& grads, const Tensors& dens,
-                                             const std::vector<double>& floors, const std::vector<bool>& masked,
-                                             int64_t limit) {
+std::optional<at::Tensor> masked_ratio_norms(const Tensors& grads, const Tensors& dens, const at::Tensor& floors_,
+                                             const std::vector<bool>& masked, int64_t limit) {
     std::vector<float*> g, d;
     std::vector<int64_t> n;
-    if (grads.empty() || floors.size() != grads.size() || masked.size() != grads.size() ||
-        !walk(grads, limit, g, n) || !walk_paired(dens, limit, n, d))
+    auto floors = per_tensor(floors_, grads.size());
+    if (grads.empty() || floors.empty() || masked.size() != grads.size() || !walk(grads, limit, g, n) ||
+        !walk_paired(dens, limit, n, d))
         return std::nullopt;
     const int64_t largest = *std::max_element(n.begin(), n.end());
     at::Tensor scratch = at::empty({largest}, grads[0].options().memory_format(at::MemoryFormat::Contiguous));
@@ -128,7 +139,7 @@ std::optional<at::Tensor> masked_ratio_norms(const Tensors& grads, const Tensors
     float* s = scratch.data_ptr<float>();
     float* out = norms.data_ptr<float>();
     for (size_t t = 0; t < grads.size(); t++) {
-        const float f = (float)floors[t];
+        const float f = floors[t];
         const uint8_t flag = masked[t] ? 1 : 0;
         hz_masked_ratios(1, &g[t], &d[t], &s, &n[t], &f, &flag);
         out[t] = at::linalg_vector_norm(scratch.narrow(0, 0, n[t]), 2).item<float>();

@@ -229,7 +229,7 @@ def split_denominators_(roots: Sequence[Tensor], root_c2: float, scales: Tensor,
     """
     roots = list(roots)
     lib = _ready(roots)
-    return None if lib is None else lib.split_denominators(roots, root_c2, scales.tolist(), eps, _limit())
+    return None if lib is None else lib.split_denominators(roots, root_c2, scales, eps, _limit())
 
 
 def plain_denominators_(roots: Sequence[Tensor], root_c2: float, eps: float) -> bool:
@@ -243,7 +243,7 @@ def scaled_denominators_(roots: Sequence[Tensor], scales: Tensor, eps: float) ->
     """``roots = roots * scales[i] + eps`` in place (fresh ``roots``); ``False`` where the kernels do not take them."""
     roots = list(roots)
     lib = _ready(roots)
-    return lib is not None and lib.scaled_denominators(roots, scales.tolist(), eps, _limit())
+    return lib is not None and lib.scaled_denominators(roots, scales, eps, _limit())
 
 
 def clip_to_bounds(grads: Sequence[Tensor], dens: Sequence[Tensor], bound: float) -> list[Tensor] | None:
@@ -263,9 +263,7 @@ def masked_ratio_norms(
     """
     grads, dens = list(grads), list(dens)
     lib = _ready(grads)
-    if lib is None or floors.dtype != torch.float32:
-        return None
-    return lib.masked_ratio_norms(grads, dens, floors.tolist(), [bool(m) for m in masked], _limit())
+    return None if lib is None else lib.masked_ratio_norms(grads, dens, floors, [bool(m) for m in masked], _limit())
 
 
 def adam_update_(

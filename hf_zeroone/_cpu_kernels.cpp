@@ -63,7 +63,8 @@ void bump_versions(const Tensors& ts) {
 // One float32 per tensor of a list, from a CPU float32 vector (no read of it in Python: a hook's
 // hot path reads nothing on the host); empty where `values` does not qualify.
 std::vector<float> per_tensor(const at::Tensor& values, size_t count) {
-    if (!values.defined() || !values.device().is_cpu() || values.scalar_type() != at::kFloat ||
+    if (!values.defined() || !values.device().is_cpu() || values.layout() != at::kStrided || !values.has_storage() ||
+        values.unsafeGetTensorImpl()->is_python_dispatch() || values.scalar_type() != at::kFloat ||
         values.numel() != (int64_t)count)
         return {};
     at::Tensor dense = values.contiguous();

@@ -14,9 +14,10 @@ ranks that can.
 The loops are bound to torch in ``_cpu_kernels.cpp`` (lists of tensors in, checked and walked in
 C++: one call per list, no Python loop over its tensors), built once per machine as a torch C++
 extension with the system's C++ compiler (``$CXX``, else ``c++``) and ninja, in about 30 s, into
-``$HF_ZEROONE_CACHE`` (default ``~/.cache/hf_zeroone``), named by a hash of the sources, the flags,
-torch's version and the CPU's features, and checked against torch on a small sample before their
-first use in a process. Without a compiler or ninja, or when the check fails, a warning says so
+``$HF_ZEROONE_CACHE`` (default ``$XDG_CACHE_HOME/hf_zeroone``, else ``~/.cache/hf_zeroone``), named
+by a hash of the sources, the flags, torch's version, Python's extension ABI, the compiler's version
+and the CPU's features, and checked against torch on a small sample before their first use in a
+process. Without a compiler or ninja, or when the check fails, a warning says so
 once and torch's operations run instead. ``HF_ZEROONE_CPU_KERNELS=0`` turns the kernels off.
 
 Callers offer a list; each function here returns ``None`` where it does not take it (not all
@@ -127,6 +128,9 @@ def _building_alone(folder: Path, timeout_s: float = 900.0) -> Iterator[None]:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"another process held {folder} for {timeout_s:.0f} s") from None
                 time.sleep(0.2)
+            except OSError:  # a file system without locks (some network mounts): torch's own lock alone
+                yield
+                return
         try:
             (folder / "lock").unlink(missing_ok=True)
             yield
@@ -146,7 +150,7 @@ def _load() -> Any:  # noqa: ANN401 - the compiled module
         missing = f"no C++ compiler ({' '.join(compiler)!r})" if not found else "no ninja"
         warnings.warn(
             f"hf_zeroone: {missing} to build its fused CPU kernels; the optimizers' CPU steps run torch's "
-            f"operations instead (the same results, about 1.5x slower): {fix}",
+            f"operations instead (the same results; the optimizer's step 1.5-2.3x slower): {fix}",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -155,9 +159,9 @@ def _load() -> Any:  # noqa: ANN401 - the compiled module
     folder = _cache_dir() / name
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        if not any(folder.glob("*.so")):
-            _log.warning("hf_zeroone: building its fused CPU kernels in %s (once per machine, about 30 s)", folder)
         with _building_alone(folder):
+            if not any(folder.glob("*.so")):  # said by the process that builds, not by those that waited
+                _log.warning("hf_zeroone: building its fused CPU kernels in %s (once per machine, about 30 s)", folder)
             # compiled from copies inside the folder: torch rebuilds when the source's path changes, and
             # two installations of the same sources (two checkouts, two environments) then share one build
             for source in _SOURCES:

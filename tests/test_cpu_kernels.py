@@ -27,7 +27,7 @@ from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._grad_scale import scale_samples
 
 pytestmark = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX") or "c++") is None or not cpp_extension.is_ninja_available(),
+    shutil.which(_cpu_kernels._compiler()[0]) is None or not cpp_extension.is_ninja_available(),
     reason="no C++ compiler or ninja on this machine",
 )
 

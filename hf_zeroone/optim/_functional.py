@@ -155,7 +155,7 @@ def split_denominators(
     """
     exp_avg_sqs, factors = list(exp_avg_sqs), list(factors)
     roots = list(torch._foreach_sqrt(exp_avg_sqs))
-    if all(f is not None for f in factors):
+    if exp_avg_sqs and not stacks_by_shape(exp_avg_sqs[0].device) and all(f is not None for f in factors):
         plain = _cpu_kernels.split_denominators_(roots, math.sqrt(c2), root_multipliers(factors, c2), eps)
         if plain is not None:
             return plain, roots

@@ -108,12 +108,12 @@ def denominators(
     elif not stacks_by_shape(exp_avg_sqs[0].device):  # one multi-tensor call, tensor by tensor
         out = sqrt_of(range(len(exp_avg_sqs)))
         plain = [d for d, f in zip(out, factors) if f is None]
-        if not plain and _cpu_kernels.scaled_denominators_(out, root_multipliers(factors, c2), eps):
+        scaled = [(d, f) for d, f in zip(out, factors) if f is not None]
+        multipliers = root_multipliers([f for _, f in scaled], c2)
+        if not plain and _cpu_kernels.scaled_denominators_(out, multipliers, eps):  # every tensor scaled
             return out
         if plain:
             div_scalar_(plain, math.sqrt(c2))
-        scaled = [(d, f) for d, f in zip(out, factors) if f is not None]
-        multipliers = root_multipliers([f for _, f in scaled], c2)
         # each tensor's multiplier rounded to its own dtype, as the stacked form does (a group may mix them)
         torch._foreach_mul_([d for d, _ in scaled], as_dtypes(multipliers.unbind(), [d for d, _ in scaled]))
     else:

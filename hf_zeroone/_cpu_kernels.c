@@ -139,3 +139,131 @@ void hz_adam_update(int64_t n, float **params, float **grads, float **exp_avgs, 
         }
     }
 }
+
+/* torch.lerp(start, end, weight) of float32 on the CPU: one fused multiply-add, from the start when
+ * |weight| < 0.5 and from the end otherwise (torch chooses on the float32 weight). */
+static inline float torch_lerp(float start, float end, float weight) {
+    return fabsf(weight) < 0.5f ? fmaf(weight, end - start, start) : fmaf(weight - 1.0f, end - start, end);
+}
+
+/* A 1-bit message in units of the update (Messages.write): g clipped to clip_dens * bound (when
+ * clip_dens is given), lerped from the momentum by weight (when exp_avgs is given: 1-bit Adam's
+ * momentum message), times the tensor's mean denominator, over the element's plain denominator:
+ * torch's clip, lerp, multiplication by a 0-dim mean and division, in one pass into out. */
+void hz_update_unit_messages(int64_t n, float **grads, float **clip_dens, float **exp_avgs, float **dens, float **out,
+                             const int64_t *numel, float bound, float weight, const float *means) {
+    for (int64_t t = 0; t < n; t++) {
+        const float *g = grads[t], *c = clip_dens ? clip_dens[t] : 0, *m = exp_avgs ? exp_avgs[t] : 0, *d = dens[t];
+        float *o = out[t];
+        const float mean = means[t];
+        for (int64_t i = 0; i < numel[t]; i++) {
+            float x = g[i];
+            if (c) {
+                const float b = c[i] * bound;
+                x = nan_max(nan_min(x, b), -b);
+            }
+            if (m) x = torch_lerp(m[i], x, weight);
+            o[i] = (x * mean) / d[i];
+        }
+    }
+}
+
+/* The combined message out of the units of the update, in place: v = (v * d) / mean (torch's
+ * multiplication and division by a 0-dim mean); then, when exp_avgs is given, the gradient a
+ * combined momentum implies, v = lerp(m, v, weight) with weight 1 / (1 - beta1). */
+void hz_from_update_units(int64_t n, float **values, float **dens, float **exp_avgs, const int64_t *numel,
+                          const float *means, float weight) {
+    for (int64_t t = 0; t < n; t++) {
+        float *v = values[t];
+        const float *d = dens[t], *m = exp_avgs ? exp_avgs[t] : 0;
+        const float mean = means[t];
+        for (int64_t i = 0; i < numel[t]; i++) {
+            const float x = (v[i] * d[i]) / mean;
+            v[i] = m ? torch_lerp(m[i], x, weight) : x;
+        }
+    }
+}
+
+/* The signs of x packed eight to a byte, first element in the most significant bit, bit 1 where
+ * the sign bit is clear (compression.pack_signs); count is a multiple of 8. */
+void hz_pack_signs(const float *x, int64_t count, uint8_t *out) {
+    const uint32_t *bits = (const uint32_t *)x;
+    for (int64_t j = 0; j < count / 8; j++) {
+        const uint32_t *b = bits + 8 * j;
+        uint32_t byte = 0;
+        for (int k = 0; k < 8; k++) byte = (byte << 1) | ((~b[k]) >> 31);
+        out[j] = (uint8_t)byte;
+    }
+}
+
+/* out = x - copysign(scale_s, x) on each segment s = [bounds[s], bounds[s + 1]) (compression_error), then
+ * times mask when one is given (the two-stage allreduce's masked elements: torch's mul_ by the mask). */
+void hz_compression_error(const float *x, int64_t segments, const int64_t *bounds, const float *scales,
+                          const float *mask, float *out) {
+    for (int64_t s = 0; s < segments; s++) {
+        const float scale = scales[s];
+        if (mask) {
+            for (int64_t i = bounds[s]; i < bounds[s + 1]; i++) out[i] = (x[i] - copysignf(scale, x[i])) * mask[i];
+        } else {
+            for (int64_t i = bounds[s]; i < bounds[s + 1]; i++) out[i] = x[i] - copysignf(scale, x[i]);
+        }
+    }
+}
+
+/* x = (x + e) * mask, in place: the worker's y = x + e_w with its masked elements zeroed (torch's add_, mul_). */
+void hz_add_masked(float *x, const float *e, const float *mask, int64_t count) {
+    for (int64_t i = 0; i < count; i++) x[i] = (x[i] + e[i]) * mask[i];
+}
+
+/* One sign as unpack_signs gives it: +1.0 where bit k (from the most significant) of byte is set, else -1.0. */
+static inline float sign_of(unsigned byte, int k) { return (float)((int)((byte >> (7 - k)) & 1u) * 2 - 1); }
+
+/* One segment of signs, as unpack_signs then a multiplication by the scale give them (+-1.0 * scale),
+ * for elements first .. first + count of the packed signs: written to out, or added to base (out =
+ * base + value; base may be out: the server's sum), then times mask when one is given. Whole bytes at
+ * a time between a ragged head and tail, without branches on the signs (random signs defeat a branch
+ * predictor); the branches on base and mask are the same for the whole span (the compiler hoists them). */
+static inline void decompress_span(const uint8_t *packed, int64_t first, int64_t count, float scale,
+                                   const float *base, const float *mask, float *out) {
+    int64_t i = 0;
+    for (; i < count && ((first + i) & 7); i++) {
+        float v = sign_of(packed[(first + i) >> 3], (int)((first + i) & 7)) * scale;
+        v = base ? base[i] + v : v;
+        out[i] = mask ? v * mask[i] : v;
+    }
+    const uint8_t *bytes = packed + ((first + i) >> 3);
+    const int64_t whole = (count - i) / 8;
+    for (int64_t b = 0; b < whole; b++, i += 8)
+        for (int k = 0; k < 8; k++) {
+            float v = sign_of(bytes[b], k) * scale;
+            v = base ? base[i + k] + v : v;
+            out[i + k] = mask ? v * mask[i + k] : v;
+        }
+    for (; i < count; i++) {
+        float v = sign_of(packed[(first + i) >> 3], (int)((first + i) & 7)) * scale;
+        v = base ? base[i] + v : v;
+        out[i] = mask ? v * mask[i] : v;
+    }
+}
+
+/* out = C[x] from packed signs and segment scales (compression.decompress), times mask when one is given. */
+void hz_decompress(const uint8_t *packed, int64_t segments, const int64_t *bounds, const float *scales,
+                   const float *mask, float *out) {
+    for (int64_t s = 0; s < segments; s++)
+        decompress_span(packed, bounds[s], bounds[s + 1] - bounds[s], scales[s], 0, mask ? mask + bounds[s] : 0,
+                        out + bounds[s]);
+}
+
+/* The server's sum of its chunk (the two-stage allreduce): out = C_0 + error, then + C_1, ... + C_{p-1}
+ * in rank order, C_r decompressed from row r of packed (row_bytes apart) with scales[r * segments + s],
+ * then times mask when one is given: torch's copies[0].add_(error), then copies[0].add_(copies[r]) row by
+ * row, then mul_ by the mask, the same roundings. */
+void hz_decompress_sum(const uint8_t *packed, int64_t rows, int64_t row_bytes, int64_t segments, const int64_t *bounds,
+                       const float *scales, const float *error, const float *mask, float *out) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t s = 0; s < segments; s++) {
+            const int64_t a = bounds[s];
+            decompress_span(packed + r * row_bytes, a, bounds[s + 1] - a, scales[r * segments + s],
+                            r == 0 ? error + a : out + a, (mask && r == rows - 1) ? mask + a : 0, out + a);
+        }
+}

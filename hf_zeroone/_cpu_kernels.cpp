@@ -186,6 +186,124 @@ bool scaled_product(const Tensors& outs, const Tensors& a, const Tensors& b, con
     return triple(&hz_scaled_product, outs, a, b, scales, limit);
 }
 
+// The 1-bit message of each gradient or momentum in update units (hz_update_unit_messages); clip_dens and
+// exp_avgs may be empty lists (no clipping; a gradient message).
+bool update_unit_messages(const Tensors& grads, const Tensors& clip_dens, const Tensors& exp_avgs, const Tensors& dens,
+                          const Tensors& outs, double bound, double weight, const at::Tensor& means, int64_t limit) {
+    std::vector<float*> g, c, m, d, o;
+    std::vector<int64_t> n;
+    auto mean = per_tensor(means, grads.size());
+    if (grads.empty() || mean.empty() || !walk(grads, limit, g, n) || !walk_paired(dens, limit, n, d) ||
+        !walk_paired(outs, limit, n, o) || (!clip_dens.empty() && !walk_paired(clip_dens, limit, n, c)) ||
+        (!exp_avgs.empty() && !walk_paired(exp_avgs, limit, n, m)))
+        return false;
+    hz_update_unit_messages((int64_t)grads.size(), g.data(), c.empty() ? nullptr : c.data(),
+                            m.empty() ? nullptr : m.data(), d.data(), o.data(), n.data(), (float)bound, (float)weight,
+                            mean.data());
+    bump_versions(outs);
+    return true;
+}
+
+bool from_update_units(const Tensors& values, const Tensors& dens, const Tensors& exp_avgs, const at::Tensor& means,
+                       double weight, int64_t limit) {
+    std::vector<float*> v, d, m;
+    std::vector<int64_t> n;
+    auto mean = per_tensor(means, values.size());
+    if (values.empty() || mean.empty() || !walk(values, limit, v, n) || !walk_paired(dens, limit, n, d) ||
+        (!exp_avgs.empty() && !walk_paired(exp_avgs, limit, n, m)))
+        return false;
+    hz_from_update_units((int64_t)values.size(), v.data(), d.data(), m.empty() ? nullptr : m.data(), n.data(),
+                         mean.data(), (float)weight);
+    bump_versions(values);
+    return true;
+}
+
+// A dense contiguous CPU tensor of `dtype` that this file may read or write (see `walk`).
+bool plain(const at::Tensor& t, at::ScalarType dtype, int64_t limit) {
+    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && t.has_storage() &&
+           !t.unsafeGetTensorImpl()->is_python_dispatch() && !t.is_inference() && t.scalar_type() == dtype &&
+           t.is_contiguous() && !(limit > 0 && t.numel() >= limit);
+}
+
+// Segment bounds that run from 0 to `numel`, never decreasing, one more than `scales` holds.
+bool valid_bounds(const std::vector<int64_t>& bounds, int64_t numel, int64_t scales) {
+    if ((int64_t)bounds.size() != scales + 1 || bounds.front() != 0 || bounds.back() != numel) return false;
+    return std::is_sorted(bounds.begin(), bounds.end());
+}
+
+std::optional<at::Tensor> pack_signs(const at::Tensor& x, int64_t limit) {
+    if (!plain(x, at::kFloat, limit) || x.dim() == 0 || x.size(-1) % 8) return std::nullopt;
+    auto shape = x.sizes().vec();
+    shape.back() /= 8;
+    at::Tensor out = at::empty(shape, x.options().dtype(at::kByte));
+    hz_pack_signs(x.data_ptr<float>(), x.numel(), out.data_ptr<uint8_t>());
+    return out;
+}
+
+// The mask, when given (defined), is float32 and as long as the output; nullptr where none is given.
+bool mask_ok(const at::Tensor& mask, int64_t numel, int64_t limit) {
+    return !mask.defined() || (plain(mask, at::kFloat, limit) && mask.numel() == numel);
+}
+
+const float* mask_ptr(const at::Tensor& mask) { return mask.defined() ? mask.data_ptr<float>() : nullptr; }
+
+bool compression_error(const at::Tensor& x, const at::Tensor& scales, const std::vector<int64_t>& bounds,
+                       const std::optional<at::Tensor>& mask_, const at::Tensor& out, int64_t limit) {
+    at::Tensor mask = mask_.value_or(at::Tensor());
+    if (!plain(x, at::kFloat, limit) || !plain(out, at::kFloat, limit) || !plain(scales, at::kFloat, 0) ||
+        out.numel() != x.numel() || !valid_bounds(bounds, x.numel(), scales.numel()) ||
+        !mask_ok(mask, x.numel(), limit))
+        return false;
+    hz_compression_error(x.data_ptr<float>(), scales.numel(), bounds.data(), scales.data_ptr<float>(), mask_ptr(mask),
+                         out.data_ptr<float>());
+    bump_versions({out});
+    return true;
+}
+
+// packed may be a strided view (the first bytes of each gathered row): its signs are copied together first, an
+// eighth of a byte per element.
+bool decompress(const at::Tensor& packed, const at::Tensor& scales, const std::vector<int64_t>& bounds,
+                const std::optional<at::Tensor>& mask_, const at::Tensor& out, int64_t limit) {
+    at::Tensor mask = mask_.value_or(at::Tensor());
+    if (!packed.defined() || !plain(out, at::kFloat, limit) || !plain(scales, at::kFloat, 0) ||
+        out.numel() != 8 * packed.numel() || !valid_bounds(bounds, out.numel(), scales.numel()) ||
+        !mask_ok(mask, out.numel(), limit))
+        return false;
+    at::Tensor bytes = packed.contiguous();
+    if (!plain(bytes, at::kByte, 0)) return false;
+    hz_decompress(bytes.data_ptr<uint8_t>(), scales.numel(), bounds.data(), scales.data_ptr<float>(), mask_ptr(mask),
+                  out.data_ptr<float>());
+    bump_versions({out});
+    return true;
+}
+
+// rows: (P, row bytes), each row's first bytes the packed signs of one copy of the chunk; scales: P x segments.
+bool decompress_sum(const at::Tensor& rows, const at::Tensor& scales, const std::vector<int64_t>& bounds,
+                    const at::Tensor& error, const std::optional<at::Tensor>& mask_, const at::Tensor& out,
+                    int64_t limit) {
+    at::Tensor mask = mask_.value_or(at::Tensor());
+    if (!plain(rows, at::kByte, 0) || rows.dim() != 2 || !plain(scales, at::kFloat, 0) ||
+        !plain(error, at::kFloat, limit) || !plain(out, at::kFloat, limit) || error.numel() != out.numel() ||
+        bounds.size() < 1 || scales.numel() != rows.size(0) * (int64_t)(bounds.size() - 1) ||
+        !valid_bounds(bounds, out.numel(), (int64_t)bounds.size() - 1) || rows.size(1) * 8 < out.numel() ||
+        out.is_same(error) || !mask_ok(mask, out.numel(), limit))
+        return false;
+    hz_decompress_sum(rows.data_ptr<uint8_t>(), rows.size(0), rows.size(1), (int64_t)bounds.size() - 1, bounds.data(),
+                      scales.data_ptr<float>(), error.data_ptr<float>(), mask_ptr(mask), out.data_ptr<float>());
+    bump_versions({out});
+    return true;
+}
+
+// x = (x + e) * mask in place (hz_add_masked).
+bool add_masked(const at::Tensor& x, const at::Tensor& e, const at::Tensor& mask, int64_t limit) {
+    if (!plain(x, at::kFloat, limit) || !plain(e, at::kFloat, limit) || !plain(mask, at::kFloat, limit) ||
+        e.numel() != x.numel() || mask.numel() != x.numel())
+        return false;
+    hz_add_masked(x.data_ptr<float>(), e.data_ptr<float>(), mask.data_ptr<float>(), x.numel());
+    bump_versions({x});
+    return true;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -198,4 +316,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("adam_update", &adam_update);
     m.def("scaled_difference", &scaled_difference);
     m.def("scaled_product", &scaled_product);
+    m.def("update_unit_messages", &update_unit_messages);
+    m.def("from_update_units", &from_update_units);
+    m.def("pack_signs", &pack_signs);
+    m.def("compression_error", &compression_error);
+    m.def("decompress", &decompress);
+    m.def("decompress_sum", &decompress_sum);
+    m.def("add_masked", &add_masked);
 }

@@ -49,15 +49,22 @@ from torch import Tensor
 
 __all__ = [
     "adam_update_",
+    "add_masked_",
     "all_finite",
     "scaled_difference_",
     "scaled_product_",
     "clip_to_bounds",
+    "compression_error_",
+    "decompress_",
+    "decompress_sum_",
     "enabled",
+    "from_update_units_",
     "masked_ratio_norms",
+    "pack_signs",
     "plain_denominators_",
     "scaled_denominators_",
     "split_denominators_",
+    "update_unit_messages_",
 ]
 
 _SOURCES = (Path(__file__).with_name("_cpu_kernels.cpp"), Path(__file__).with_name("_cpu_kernels.c"))
@@ -312,6 +319,90 @@ def scaled_product_(outs: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Ten
     return lib is not None and lib.scaled_product(outs, list(a), list(b), [float(f) for f in scales], _limit())
 
 
+def update_unit_messages_(
+    grads: Sequence[Tensor],
+    clip_dens: Sequence[Tensor] | None,
+    exp_avgs: Sequence[Tensor] | None,
+    dens: Sequence[Tensor],
+    outs: Sequence[Tensor],
+    bound: float,
+    weight: float,
+    means: Tensor,
+) -> bool:
+    """Each 1-bit message in units of the update, into ``outs``, in one pass per tensor.
+
+    ``g`` clipped to ``clip_dens * bound`` (unless ``clip_dens`` is ``None``), lerped from the
+    momentum by ``weight`` (unless ``exp_avgs`` is ``None``), times ``means[i]``, over ``dens``:
+    :func:`~hf_zeroone.optim._functional.clip_to_variance`, ``torch.lerp``, then
+    :func:`~hf_zeroone.optim._functional.to_update_units`. ``False`` (nothing written) where the
+    kernels do not take the lists.
+    """
+    grads = list(grads)
+    lib = _ready(grads)
+    return lib is not None and lib.update_unit_messages(
+        grads, list(clip_dens or []), list(exp_avgs or []), list(dens), list(outs), bound, weight, means, _limit()
+    )
+
+
+def from_update_units_(
+    values: Sequence[Tensor], dens: Sequence[Tensor], exp_avgs: Sequence[Tensor] | None, means: Tensor, weight: float
+) -> bool:
+    """In place, ``v = (v * d) / means[i]``, then ``v = lerp(m, v, weight)`` when ``exp_avgs`` is given.
+
+    :func:`~hf_zeroone.optim._functional.from_update_units`, then
+    :func:`~hf_zeroone.optim._functional.implied_gradients`, in one pass per tensor.
+    """
+    values = list(values)
+    lib = _ready(values)
+    return lib is not None and lib.from_update_units(values, list(dens), list(exp_avgs or []), means, weight, _limit())
+
+
+def pack_signs(x: Tensor) -> Tensor | None:
+    """:func:`~hf_zeroone.compression.pack_signs` of a float32 CPU tensor in one pass, or ``None``."""
+    lib = _ready([x])
+    return None if lib is None else lib.pack_signs(x, _limit())
+
+
+def compression_error_(
+    x: Tensor, scales: Tensor, bounds: Sequence[int], out: Tensor, mask: Tensor | None = None
+) -> bool:
+    """``out = x - copysign(scales[s], x)`` on each segment (:func:`~hf_zeroone.compression.compression_error`).
+
+    Then times ``mask`` (float32, as long as ``out``) when one is given, as ``out.mul_(mask)``.
+    """
+    lib = _ready([x])
+    return lib is not None and lib.compression_error(x, scales, list(bounds), mask, out, _limit())
+
+
+def decompress_(packed: Tensor, scales: Tensor, bounds: Sequence[int], out: Tensor, mask: Tensor | None = None) -> bool:
+    """``out = +-1 * scales[s]`` from packed signs (:func:`~hf_zeroone.compression.decompress`), in one pass.
+
+    Then times ``mask`` when one is given, as ``out.mul_(mask)``.
+    """
+    lib = _ready([out])
+    return lib is not None and lib.decompress(packed, scales, list(bounds), mask, out, _limit())
+
+
+def decompress_sum_(
+    rows: Tensor, scales: Tensor, bounds: Sequence[int], error: Tensor, out: Tensor, mask: Tensor | None = None
+) -> bool:
+    """``out = C_0 + error + C_1 + ... + C_{P-1}``, in rank order, from ``P`` rows of packed signs.
+
+    ``rows``: uint8 ``(P, row bytes)``, each row starting with one copy's packed signs;
+    ``scales``: float32, ``P`` times the segments of ``bounds``, row by row. What
+    :func:`~hf_zeroone.compression.decompress` of every row and a sum row by row give, in one pass;
+    then times ``mask`` when one is given.
+    """
+    lib = _ready([out])
+    return lib is not None and lib.decompress_sum(rows, scales, list(bounds), error, mask, out, _limit())
+
+
+def add_masked_(x: Tensor, e: Tensor, mask: Tensor) -> bool:
+    """``x = (x + e) * mask`` in place (torch's ``add_`` then ``mul_``), in one pass."""
+    lib = _ready([x])
+    return lib is not None and lib.add_masked(x, e, mask, _limit())
+
+
 def _same(a: Tensor, b: Tensor) -> bool:
     """The same bits, NaN for NaN (whatever its payload)."""
     nan = a.isnan()
@@ -373,8 +464,79 @@ def _agrees_with_torch() -> bool:
         torch._foreach_zero_(want)
         torch._foreach_addcmul_(want, grads, want_plain, factors)
         ok &= all(map(_same, out, want))
+        ok &= _messages_agree(grads, want_plain, want_scaled, bound, scales)
+        ok &= _compression_agrees(gen)
         ok &= all_finite([torch.ones(40, **f32)]) and not all_finite(grads)
         ok &= not all_finite([torch.tensor([float("nan")], **f32)])
         return bool(ok)
     except Exception:  # noqa: BLE001 - a broken library is not used
         return False
+
+
+def _messages_agree(grads: list[Tensor], dens: list[Tensor], moms: list[Tensor], bound: float, means: Tensor) -> bool:
+    """:func:`update_unit_messages_` and :func:`from_update_units_` against torch's operations."""
+    ok = True
+    for clip, momentum in ((True, True), (False, False), (True, False)):
+        outs = [torch.empty_like(g) for g in grads]
+        update_unit_messages_(grads, dens if clip else None, moms if momentum else None, dens, outs, bound, 0.1, means)
+        want = [g.clone() for g in grads]
+        if clip:
+            limits = [d * torch.tensor(bound, dtype=torch.float32) for d in dens]
+            want = [torch.maximum(torch.minimum(g, b), -b) for g, b in zip(want, limits)]
+        if momentum:
+            want = [torch.lerp(m, g, 0.1) for m, g in zip(moms, want)]
+        torch._foreach_mul_(want, list(means.unbind()))
+        torch._foreach_div_(want, dens)
+        ok &= all(map(_same, outs, want))
+        values = [g.clone() for g in grads]
+        from_update_units_(values, dens, moms if momentum else None, means, 10.0)
+        want = [g.clone() for g in grads]
+        torch._foreach_mul_(want, dens)
+        torch._foreach_div_(want, list(means.unbind()))
+        if momentum:
+            want = [torch.lerp(m, v, 10.0) for m, v in zip(moms, want)]
+        ok &= all(map(_same, values, want))
+    return bool(ok)
+
+
+def _compression_agrees(gen: torch.Generator) -> bool:
+    """The sign packing, compression error and decompressions against :mod:`hf_zeroone.compression`'s torch forms.
+
+    Each with and without a mask of zeros and ones, which torch multiplies in (``-x * 0`` is ``-0``).
+    """
+    from hf_zeroone import compression  # the module that calls these kernels: imported here, after loading
+
+    specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, float("inf"), float("-inf"), float("nan"), -1.0])
+    x = torch.cat([torch.randn(88, generator=gen), specials])  # 96 elements: 12 bytes of signs
+    bounds, scales = (0, 5, 5, 40, 96), torch.tensor([0.5, 2.0, float("nan"), 1e-30])
+    ok = torch.equal(pack_signs(x.view(2, 48)), compression._pack_signs_torch(x.view(2, 48)))
+    mask = (torch.rand(96, generator=gen) < 0.7).float()
+    packed = compression._pack_signs_torch(x)
+    signs = compression._unpack_signs_elementwise(packed, torch.float32).reshape(-1)
+    for m in (None, mask):
+        out = torch.empty_like(x)
+        compression_error_(x, scales, bounds, out, m)
+        want = x - torch.cat([torch.copysign(s, x[a:b]) for s, a, b in zip(scales, bounds, bounds[1:])])
+        ok &= _same(out, want if m is None else want * m)
+        decompress_(packed, scales, bounds, out, m)
+        want = torch.cat([signs[a:b] * s for s, a, b in zip(scales, bounds, bounds[1:])])
+        ok &= _same(out, want if m is None else want * m)
+    rows = torch.randint(0, 256, (3, 7), dtype=torch.uint8, generator=gen)  # 3 copies of 48 signs, 1 spare byte
+    chunk_bounds, row_scales = (0, 17, 17, 48), torch.rand(9, generator=gen)
+    error = torch.randn(48, generator=gen)
+    copies = []
+    for r in range(3):
+        signs = compression._unpack_signs_elementwise(rows[r, :6].contiguous(), torch.float32).reshape(-1)
+        spans = zip(row_scales[3 * r :], chunk_bounds, chunk_bounds[1:])
+        copies.append(torch.cat([signs[a:b] * s for s, a, b in spans]))
+    want = copies[0] + error
+    for c in copies[1:]:
+        want += c
+    for m in (None, mask[:48]):
+        sums = torch.empty(48)
+        decompress_sum_(rows, row_scales, chunk_bounds, error, sums, m)
+        ok &= _same(sums, want if m is None else want * m)
+    y = x.clone()
+    add_masked_(y, want.repeat(2), mask)
+    ok &= _same(y, (x + want.repeat(2)) * mask)
+    return bool(ok)

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_zeroone import _cpu_kernels
 from hf_zeroone.compression import (
     FLOAT8_BLOCK,
     ChunkLayout,
@@ -123,8 +124,10 @@ def compressed_allreduce(
 
     # Stage 1, worker side: y = x + e_w, compressed segment by segment.
     y = buffer
-    y.add_(worker_error)
-    _zero_masked(y, layout)
+    mask = None if layout.fully_unmasked else layout.mask  # the caller's masked elements, if any
+    if mask is None or not _cpu_kernels.add_masked_(y, worker_error, mask):  # one pass on the CPU
+        y.add_(worker_error)
+        _zero_masked(y, layout)
     scales = segment_scales(y, layout.bounds, layout.segment_counts)
     scales.masked_fill_(~torch.isfinite(scales).all(), math.nan)  # every server will see it
     send = torch.empty(p, row, dtype=torch.uint8, device=device)
@@ -142,18 +145,14 @@ def compressed_allreduce(
     # y's memory is free, and the rest of the call works in it instead of new allocations (on
     # the CPU a fresh buffer's page faults cost more than the arithmetic written into it)
     def worker_side(out: Tensor) -> None:
-        _zero_masked(compression_error(y, scales, layout.bounds, out=out), layout)
+        _masked_error(y, scales, layout.bounds, out, layout)
 
     _update_error(ok, worker_error, worker_side, _scratch(y))
 
     # Stage 1, server side: average the P compressed copies of my chunk, compress again.
     bounds = layout.chunk_bounds(k)
-    # the P copies side by side, each scaled by 1/P, then summed: z = mean_i C[y_ik] + e_s
-    copies = decompress(recv[:, :nb], worker_scales.reshape(-1) / p, _tile(bounds, p), out=y).view(p, c)
-    z = copies[0].add_(server_error)
-    for i in range(1, p):  # row by row: much faster than a sum over dim 0 on CPU
-        z.add_(copies[i])
-    _zero_masked(z, layout, start=k * c)
+    # the P copies, each scaled by 1/P, summed in rank order: z = mean_i C[y_ik] + e_s
+    z = _server_sum(recv, nb, worker_scales.reshape(-1) / p, bounds, server_error, y.view(p, c), layout, k * c)
     s = segment_scales(z, bounds, layout.chunk_segment_counts(k))
     s.masked_fill_(~ok, math.nan)
     out_row = torch.empty(row, dtype=torch.uint8, device=device)
@@ -164,7 +163,7 @@ def compressed_allreduce(
 
     # e_s <- z - C[z], under the same condition
     def server_side(out: Tensor) -> None:
-        _zero_masked(compression_error(z, s, bounds, out=out), layout, start=k * c)
+        _masked_error(z, s, bounds, out, layout, start=k * c)
 
     _update_error(ok, server_error, server_side, _scratch(z))
 
@@ -174,9 +173,49 @@ def compressed_allreduce(
     server_scales = gathered[:, nb : nb + sb].contiguous().view(torch.float32).view(-1)
     if q:
         _lane_back(exact, gathered[:, nb + sb :])
+    if mask is not None and _cpu_kernels.decompress_(gathered[:, :nb], server_scales, layout.bounds, y, mask):
+        return y  # masked in the same pass (a NaN stays NaN: NaN * 0 is NaN)
     result = decompress(gathered[:, :nb], server_scales, layout.bounds, out=y)
     _zero_masked(result, layout, unless=~ok)  # a bad step's result stays NaN everywhere
     return result
+
+
+def _server_sum(
+    recv: Tensor, nb: int, scales: Tensor, bounds: tuple[int, ...], error: Tensor, into: Tensor,
+    layout: ChunkLayout, start: int,
+) -> Tensor:  # fmt: skip
+    """``C_0 + e_s + C_1 + ... + C_{P-1}`` (rank order) from the received rows' signs, masked, in ``into[0]``.
+
+    ``scales``: the ``P`` workers' segment scales of this chunk, already divided by ``P``, row by
+    row; ``into``: ``(P, c)`` float32 scratch; the chunk starts at layout position ``start``. On
+    the CPU one pass (the fused kernel); elsewhere the ``P`` copies side by side, then summed row
+    by row (much faster than a sum over dim 0 on the CPU), then masked: the same bits.
+    """
+    p, c = into.shape
+    mask = None if layout.fully_unmasked else layout.mask[start : start + c]
+    if _cpu_kernels.decompress_sum_(recv, scales, bounds, error, into[0], mask):
+        if mask is None:
+            _zero_masked(into[0], layout, start=start)  # the padding at the end, if this chunk holds it
+        return into[0]
+    copies = decompress(recv[:, :nb], scales, _tile(bounds, p), out=into.view(-1)).view_as(into)
+    z = copies[0].add_(error)
+    for i in range(1, p):
+        z.add_(copies[i])
+    _zero_masked(z, layout, start=start)
+    return z
+
+
+def _masked_error(
+    x: Tensor, scales: Tensor, bounds: tuple[int, ...], out: Tensor, layout: ChunkLayout, start: int = 0
+) -> None:
+    """``out = x - C[x]`` (:func:`~hf_zeroone.compression.compression_error`), masked.
+
+    ``x`` holds layout positions ``start ..``. On the CPU the caller's mask is applied in the same pass.
+    """
+    mask = None if layout.fully_unmasked else layout.mask[start : start + x.numel()]
+    if mask is not None and _cpu_kernels.compression_error_(x, scales, bounds, out, mask):
+        return
+    _zero_masked(compression_error(x, scales, bounds, out=out), layout, start)
 
 
 def float8_allreduce(

@@ -26,6 +26,8 @@ from hf_zeroone._tensors import all_finite
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._grad_scale import scale_samples
 
+from _dist import run_ranks
+
 pytestmark = pytest.mark.skipif(
     shutil.which(_cpu_kernels._compiler()[0]) is None or not cpp_extension.is_ninja_available(),
     reason="no C++ compiler or ninja on this machine",
@@ -241,6 +243,61 @@ def test_a_run_is_the_same_run_with_the_kernels_and_without(kernels, monkeypatch
     assert all(map(_same, fused[0], plain[0]))
     for a, b in zip(fused[1], plain[1]):
         assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+
+
+def _hook_run(rank: int, world: int, name: str, on: bool):  # noqa: ANN202
+    """A 2-rank DDP run of ``name`` with the hook, kernels on or off: parameters, state, kinds, kernels taken.
+
+    0/1 Adam with 1-bit gradient steps between its variance steps (``exact_warmup_steps`` short).
+    """
+    if not on:
+        os.environ["HF_ZEROONE_CPU_KERNELS"] = "0"
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hf_zeroone import _cpu_kernels as kernels
+    from hf_zeroone.ddp_hook import register_zeroone_hook
+
+    counting = _Counting(kernels._library_or_none()) if on else None
+    if on:
+        kernels._library = counting
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    ddp = DistributedDataParallel(model)
+    cls = {"OneBitAdam": OneBitAdam, "ZeroOneAdam": ZeroOneAdam}[name]
+    zeroone = {"var_freeze_step": 12, "exact_warmup_steps": 3, "var_update_scaler": 1, "local_step_clipper": 4}
+    kw = {"freeze_step": 6} if cls is OneBitAdam else zeroone
+    opt = cls(ddp.parameters(), lr=3e-3, **kw)
+    register_zeroone_hook(ddp, opt)
+    gen = torch.Generator().manual_seed(1 + rank)
+    kinds = []
+    for step in range(24):
+        tokens = torch.randint(0, 20 + step, (8, 5), generator=gen)
+        loss = ddp(tokens).pow(2).mean() * (0.9**step)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        kinds.append(None if opt.last_step_kind is None else opt.last_step_kind.value)
+    opt.comm.close()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)} for p in model.parameters()]
+    return params, state, kinds, dict(counting.taken) if on else {}
+
+
+@pytest.mark.parametrize("name", ["OneBitAdam", "ZeroOneAdam"])
+def test_a_two_rank_hook_run_is_the_same_run_with_the_kernels_and_without(kernels, name):  # noqa: ANN001
+    """The 1-bit messages, their compression and the combined results: the same bits with and without the kernels."""
+    fused = run_ranks(_hook_run, 2, name, True, timeout=300)
+    plain = run_ranks(_hook_run, 2, name, False, timeout=300)
+    taken = fused[0][3]
+    used = {"update_unit_messages", "from_update_units", "pack_signs", "compression_error", "decompress", "add_masked"}
+    assert set(taken) >= used | {"decompress_sum"}, sorted(taken.items())  # each kernel of the 1-bit path ran
+    kinds = set(fused[0][2])
+    assert kinds >= ({"onebit_momentum"} if name == "OneBitAdam" else {"onebit_gradient", "local", "onebit_sync"})
+    for rank in range(2):
+        assert fused[rank][2] == plain[rank][2]
+        assert all(map(_same, fused[rank][0], plain[rank][0]))
+        for a, b in zip(fused[rank][1], plain[rank][1]):
+            assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
 
 
 def test_a_library_built_with_other_rounding_is_refused(monkeypatch, tmp_path):  # noqa: ANN001

@@ -295,24 +295,27 @@ class OptimizerBooks(Optimizer):
         c2 = 1.0 - beta2**k if k > 0 else 1.0
         return 1.0 - beta1**t, c2
 
-    def _denominators(self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float) -> list[Tensor]:
+    def _denominators(
+        self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float, keep_plain: bool = False
+    ) -> list[Tensor]:
         """``sqrt(v / c2) + eps``; after the freeze ``v`` follows the gradient's scale (:mod:`._grad_scale`).
 
         Inside ``step()``, a frozen variance's denominators are computed once and reused by the
         clipping, the update and a sync (``v`` and the scale do not change within the step).
+        ``keep_plain``: outside ``step()``, the caller will ask for the plain denominators next and
+        release them (:meth:`~._messages.Messages.write` and ``finish``): one ``sqrt(v)`` for both.
         """
         cache = getattr(self, "_step_denominators", None)
         if cache is None or kind is StepKind.EXACT:
-            return self._compute_denominators(group, params, kind, c2)
+            return self._compute_denominators(group, params, kind, c2, keep_plain)
         missing = [p for p in params if (id(p), kind, c2) not in cache]
         if missing:
-            cache.update(
-                ((id(p), kind, c2), d) for p, d in zip(missing, self._compute_denominators(group, missing, kind, c2))
-            )
+            fresh = self._compute_denominators(group, missing, kind, c2, keep_plain)
+            cache.update(((id(p), kind, c2), d) for p, d in zip(missing, fresh))
         return [cache[(id(p), kind, c2)] for p in params]
 
     def _compute_denominators(
-        self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float
+        self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float, keep_plain: bool = False
     ) -> list[Tensor]:
         factors = self.scale_factors(group, params) if kind.frozen_variance else None
         v = [self.state[p]["exp_avg_sq"] for p in params]
@@ -320,7 +323,7 @@ class OptimizerBooks(Optimizer):
             factors is None
             or all(f is None for f in factors)
             or not all(t.dtype == torch.float32 for t in v)
-            or not self._plain_denominators_follow(kind)
+            or not (keep_plain or self._plain_denominators_follow(kind))
         ):
             return F.denominators(v, c2, group["eps"], factors)
         # This step will measure its scale samples against the plain denominators, sqrt(v / c2) + eps:

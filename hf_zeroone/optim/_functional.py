@@ -58,6 +58,7 @@ __all__ = [
     "root_multipliers",
     "split_denominators",
     "to_update_units",
+    "update_unit_messages",
     "variance_bound",
 ]
 
@@ -257,11 +258,61 @@ def to_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: Ten
     torch._foreach_div_(values, list(dens))
 
 
-def from_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: Tensor) -> None:
-    """The inverse of :func:`to_update_units`, in place: each value times ``d / mean(d)``."""
+def from_update_units(
+    values: Sequence[Tensor], dens: Sequence[Tensor], means: Tensor,
+    implied_from: Sequence[Tensor] | None = None, beta1: float = 0.0,
+) -> None:  # fmt: skip
+    """The inverse of :func:`to_update_units`, in place: each value times ``d / mean(d)``.
+
+    With ``implied_from`` (the momenta), each value is then a combined momentum turned into the
+    gradient it implies (:func:`implied_gradients`). On the CPU both in one pass per tensor.
+    """
     values = list(values)
+    weight = 1.0 / (1.0 - beta1)
+    if _cpu_kernels.from_update_units_(values, dens, implied_from, means, weight):
+        return
     torch._foreach_mul_(values, list(dens))
     apply_per_tensor("div", values, list(means.unbind()), in_place=True)
+    if implied_from is not None:
+        implied_gradients(implied_from, values, beta1)
+
+
+def update_unit_messages(
+    grads: Sequence[Tensor],
+    outs: Sequence[Tensor],
+    beta2: float,
+    clip_dens: Sequence[Tensor] | None,
+    exp_avgs: Sequence[Tensor] | None = None,
+    beta1: float = 0.0,
+    units: tuple[Sequence[Tensor], Tensor] | None = None,
+    l2: tuple[Sequence[Tensor], float] | None = None,
+) -> None:
+    """1-bit gradient or momentum messages into ``outs``: the chain of :class:`~._messages.Messages.write`.
+
+    Each gradient clipped to the variance (:func:`clip_to_variance`, with ``clip_dens``; not when
+    ``None``), given its L2 term (``l2``: the parameters and the weight decay, :func:`l2_gradients`),
+    turned into a momentum message when ``exp_avgs`` is given (:func:`momentum_messages`), then put
+    in units of the update when ``units`` (the plain denominators and their means,
+    :func:`to_update_units`). On the CPU, without an L2 term and in units, one pass per tensor.
+    """
+    grads, outs = list(grads), list(outs)
+    if units is not None and l2 is None:
+        dens, means = units
+        weight = 1.0 - beta1
+        if _cpu_kernels.update_unit_messages_(
+            grads, clip_dens, exp_avgs, dens, outs, variance_bound(beta2), weight, means
+        ):  # fmt: skip
+            return
+    if clip_dens is not None:
+        grads = clip_to_variance(grads, clip_dens, beta2)
+    if l2 is not None:
+        grads = l2_gradients(grads, *l2)
+    if exp_avgs is None:
+        torch._foreach_copy_(outs, grads)
+    else:
+        momentum_messages(exp_avgs, grads, beta1, outs)
+    if units is not None:
+        to_update_units(outs, *units)
 
 
 def variance_bound(beta2: float) -> float:

@@ -103,17 +103,17 @@ class Messages:
         for group, ps, items in opt.grouped(params, list(zip(grads, outs))):
             gs, os_ = [g for g, _ in items], [o for _, o in items]
             c2 = opt._coefficients(group, kind)[1]
-            if opt.clip_to_variance:
-                gs = F.clip_to_variance(gs, opt._denominators(group, ps, kind, c2), group["betas"][1])
-            if kind is StepKind.ONEBIT_GRADIENT:
-                torch._foreach_copy_(os_, gs)
-            else:
-                if group["weight_decay"] and not group["decoupled_weight_decay"]:
-                    gs = F.l2_gradients(gs, ps, group["weight_decay"])
-                F.momentum_messages([state[p]["exp_avg"] for p in ps], gs, group["betas"][0], os_)
+            # with the plain denominators of the units from the same sqrt(v) (finish releases them)
+            clip_dens = opt._denominators(group, ps, kind, c2, keep_plain=units) if opt.clip_to_variance else None
+            momentum = kind is StepKind.ONEBIT_MOMENTUM
+            l2 = momentum and group["weight_decay"] and not group["decoupled_weight_decay"]
             if units:
                 dens, stats = opt.plain_denominators(group, ps, c2)
-                F.to_update_units(os_, dens, stats.means)
+            F.update_unit_messages(
+                gs, os_, group["betas"][1], clip_dens,
+                exp_avgs=[state[p]["exp_avg"] for p in ps] if momentum else None, beta1=group["betas"][0],
+                units=(dens, stats.means) if units else None, l2=(ps, group["weight_decay"]) if l2 else None,
+            )  # fmt: skip
 
     def errors_to_gradient_units(self, group: dict[str, Any], params: Sequence[Tensor]) -> list[Tensor]:
         """Before ``v`` changes: each error buffer of ``params`` into gradient units, in place; the parameters with one.
@@ -216,13 +216,13 @@ class Messages:
         if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):  # out of the units of write()
             for group, ps, vs in opt.grouped(params, views):
                 dens, stats = opt.plain_denominators(group, ps, opt._coefficients(group, kind)[1])
-                F.from_update_units(vs, dens, stats.means)
+                # a combined momentum becomes the gradient it implies (F.implied_gradients)
+                momenta = [opt.state[p]["exp_avg"] for p in ps] if kind is StepKind.ONEBIT_MOMENTUM else None
+                F.from_update_units(vs, dens, stats.means, implied_from=momenta, beta1=group["betas"][0])
         if kind is StepKind.ONEBIT_SYNC:  # out of the units of write()
             apply_per_tensor("mul", list(views), self.sync_units(params), in_place=True)
         rest = lane
         if kind is StepKind.ONEBIT_MOMENTUM:
-            for group, ps, vs in opt.grouped(params, views):
-                F.implied_gradients([opt.state[p]["exp_avg"] for p in ps], vs, group["betas"][0])
             for p, entry in zip(params, F.norm_proxy_factors(views, self._averaged_sq_norms(params, rest[:n]))):
                 self.norm_proxy_factors[p] = entry
             rest = rest[n:]

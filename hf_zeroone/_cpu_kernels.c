@@ -222,7 +222,7 @@ static inline float sign_of(unsigned byte, int k) { return (float)((int)((byte >
  * for elements first .. first + count of the packed signs: written to out, or added to base (out =
  * base + value; base may be out: the server's sum), then times mask when one is given. Whole bytes at
  * a time between a ragged head and tail, without branches on the signs (random signs defeat a branch
- * predictor); the branches on base and mask are the same for the whole span (the compiler hoists them). */
+ * predictor). */
 static inline void decompress_span(const uint8_t *packed, int64_t first, int64_t count, float scale,
                                    const float *base, const float *mask, float *out) {
     int64_t i = 0;
@@ -233,12 +233,23 @@ static inline void decompress_span(const uint8_t *packed, int64_t first, int64_t
     }
     const uint8_t *bytes = packed + ((first + i) >> 3);
     const int64_t whole = (count - i) / 8;
-    for (int64_t b = 0; b < whole; b++, i += 8)
-        for (int k = 0; k < 8; k++) {
-            float v = sign_of(bytes[b], k) * scale;
-            v = base ? base[i + k] + v : v;
-            out[i + k] = mask ? v * mask[i + k] : v;
+/* the whole bytes, one loop per form of out: each vectorises (a branch inside would stop it) */
+#define HZ_WHOLE_BYTES(EXPR)                                   \
+    for (int64_t b = 0; b < whole; b++, i += 8)                \
+        for (int k = 0; k < 8; k++) {                          \
+            const float v = sign_of(bytes[b], k) * scale;      \
+            out[i + k] = (EXPR);                               \
         }
+    if (base && mask) {
+        HZ_WHOLE_BYTES((base[i + k] + v) * mask[i + k])
+    } else if (base) {
+        HZ_WHOLE_BYTES(base[i + k] + v)
+    } else if (mask) {
+        HZ_WHOLE_BYTES(v * mask[i + k])
+    } else {
+        HZ_WHOLE_BYTES(v)
+    }
+#undef HZ_WHOLE_BYTES
     for (; i < count; i++) {
         float v = sign_of(packed[(first + i) >> 3], (int)((first + i) & 7)) * scale;
         v = base ? base[i] + v : v;

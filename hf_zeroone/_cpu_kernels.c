@@ -45,17 +45,6 @@ void hz_scaled_difference(int64_t n, float **out, float **a, float **b, const in
     }
 }
 
-/* out = 0 + (scale[t] * a) * b: torch's zero_ then addcmul_ (a sync's momentum m = c1 d u / sum(lr)),
- * whose multiply-add is fused: one rounding, and a product that underflows to -0 stays -0. */
-void hz_scaled_product(int64_t n, float **out, float **a, float **b, const int64_t *numel, const float *scale) {
-    for (int64_t t = 0; t < n; t++) {
-        float *o = out[t];
-        const float *x = a[t], *y = b[t];
-        const float s = scale[t];
-        for (int64_t i = 0; i < numel[t]; i++) o[i] = fmaf(s * x[i], y[i], 0.0f);
-    }
-}
-
 /* 1 when no element of any tensor is NaN or infinite (an exponent of all ones), else 0. */
 int hz_all_finite(int64_t n, float **tensors, const int64_t *numel) {
     uint32_t special = 0;
@@ -277,4 +266,31 @@ void hz_decompress_sum(const uint8_t *packed, int64_t rows, int64_t row_bytes, i
             decompress_span(packed + r * row_bytes, a, bounds[s + 1] - a, scales[r * segments + s],
                             r == 0 ? error + a : out + a, (mask && r == rows - 1) ? mask + a : 0, out + a);
         }
+}
+
+/* 0/1 Adam's sync (_local_phase.apply_sync) in one pass: p = synced * decay[t] - u (torch's copy, mul_
+ * and sub_, as hz_scaled_difference); where moved[t], the momentum re-estimated, m = 0 + (scale[t] * u) * d
+ * (torch's zero_ then addcmul_, whose multiply-add is fused: one rounding, and a product that
+ * underflows to -0 stays -0); and last synced = p (the copy of the new synced parameters). */
+void hz_apply_sync(int64_t n, float **params, float **synced, float **us, float **exp_avgs, float **dens,
+                   const int64_t *numel, const float *decay, const float *scale, const uint8_t *moved) {
+    for (int64_t t = 0; t < n; t++) {
+        float *p = params[t], *s = synced[t], *m = exp_avgs[t];
+        const float *u = us[t], *d = dens[t];
+        const float f = decay[t], c = scale[t];
+        if (moved[t]) {
+            for (int64_t i = 0; i < numel[t]; i++) {
+                const float x = s[i] * f - u[i];
+                m[i] = fmaf(c * u[i], d[i], 0.0f);
+                p[i] = x;
+                s[i] = x;
+            }
+        } else {
+            for (int64_t i = 0; i < numel[t]; i++) {
+                const float x = s[i] * f - u[i];
+                p[i] = x;
+                s[i] = x;
+            }
+        }
+    }
 }

@@ -162,28 +162,18 @@ bool adam_update(const Tensors& params, const Tensors& grads, const Tensors& exp
     return true;
 }
 
-// out = a * factor - b (elementwise = hz_scaled_difference) or out = 0 + (factor * a) * b (hz_scaled_product).
-bool triple(void (*elementwise)(int64_t, float**, float**, float**, const int64_t*, const float*), const Tensors& outs,
-            const Tensors& a, const Tensors& b, const std::vector<double>& factors, int64_t limit) {
+// out = a * factor - b (hz_scaled_difference).
+bool scaled_difference(const Tensors& outs, const Tensors& a, const Tensors& b, const std::vector<double>& factors,
+                       int64_t limit) {
     std::vector<float*> o, x, y;
     std::vector<int64_t> n;
     if (outs.empty() || factors.size() != outs.size() || !walk(outs, limit, o, n) || !walk_paired(a, limit, n, x) ||
         !walk_paired(b, limit, n, y))
         return false;
     auto f = as_floats(factors);
-    elementwise((int64_t)outs.size(), o.data(), x.data(), y.data(), n.data(), f.data());
+    hz_scaled_difference((int64_t)outs.size(), o.data(), x.data(), y.data(), n.data(), f.data());
     bump_versions(outs);
     return true;
-}
-
-bool scaled_difference(const Tensors& outs, const Tensors& a, const Tensors& b, const std::vector<double>& factors,
-                       int64_t limit) {
-    return triple(&hz_scaled_difference, outs, a, b, factors, limit);
-}
-
-bool scaled_product(const Tensors& outs, const Tensors& a, const Tensors& b, const std::vector<double>& scales,
-                    int64_t limit) {
-    return triple(&hz_scaled_product, outs, a, b, scales, limit);
 }
 
 // The 1-bit message of each gradient or momentum in update units (hz_update_unit_messages); clip_dens and
@@ -304,6 +294,30 @@ bool add_masked(const at::Tensor& x, const at::Tensor& e, const at::Tensor& mask
     return true;
 }
 
+// 0/1 Adam's sync in one pass (hz_apply_sync); exp_avgs and dens are read and written only where moved.
+bool apply_sync(const Tensors& params, const Tensors& synced, const Tensors& us, const Tensors& exp_avgs,
+                const Tensors& dens, const std::vector<double>& decays, const std::vector<double>& scales,
+                const std::vector<bool>& moved, int64_t limit) {
+    std::vector<float*> p, s, u, m, d;
+    std::vector<int64_t> n;
+    if (params.empty() || decays.size() != params.size() || scales.size() != params.size() ||
+        moved.size() != params.size() || !walk(params, limit, p, n) || !walk_paired(synced, limit, n, s) ||
+        !walk_paired(us, limit, n, u) || !walk_paired(exp_avgs, limit, n, m) || !walk_paired(dens, limit, n, d))
+        return false;
+    auto f = as_floats(decays);
+    auto c = as_floats(scales);
+    std::vector<uint8_t> flags(moved.begin(), moved.end());
+    hz_apply_sync((int64_t)params.size(), p.data(), s.data(), u.data(), m.data(), d.data(), n.data(), f.data(),
+                  c.data(), flags.data());
+    bump_versions(params);
+    bump_versions(synced);
+    Tensors written;
+    for (size_t t = 0; t < exp_avgs.size(); t++)
+        if (moved[t]) written.push_back(exp_avgs[t]);
+    bump_versions(written);
+    return true;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -315,7 +329,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("masked_ratio_norms", &masked_ratio_norms);
     m.def("adam_update", &adam_update);
     m.def("scaled_difference", &scaled_difference);
-    m.def("scaled_product", &scaled_product);
     m.def("update_unit_messages", &update_unit_messages);
     m.def("from_update_units", &from_update_units);
     m.def("pack_signs", &pack_signs);
@@ -323,4 +336,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("decompress", &decompress);
     m.def("decompress_sum", &decompress_sum);
     m.def("add_masked", &add_masked);
+    m.def("apply_sync", &apply_sync);
 }

@@ -50,9 +50,9 @@ from torch import Tensor
 __all__ = [
     "adam_update_",
     "add_masked_",
+    "apply_sync_",
     "all_finite",
     "scaled_difference_",
-    "scaled_product_",
     "clip_to_bounds",
     "compression_error_",
     "decompress_",
@@ -312,13 +312,6 @@ def scaled_difference_(
     return lib is not None and lib.scaled_difference(outs, list(a), list(b), [float(f) for f in factors], _limit())
 
 
-def scaled_product_(outs: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Tensor], scales: Sequence[float]) -> bool:
-    """``out = scale * a * b`` per triple, into ``outs`` (torch's ``_foreach_zero_`` then ``_foreach_addcmul_``)."""
-    outs = list(outs)
-    lib = _ready(outs)
-    return lib is not None and lib.scaled_product(outs, list(a), list(b), [float(f) for f in scales], _limit())
-
-
 def update_unit_messages_(
     grads: Sequence[Tensor],
     clip_dens: Sequence[Tensor] | None,
@@ -403,6 +396,30 @@ def add_masked_(x: Tensor, e: Tensor, mask: Tensor) -> bool:
     return lib is not None and lib.add_masked(x, e, mask, _limit())
 
 
+def apply_sync_(
+    params: Sequence[Tensor],
+    synced: Sequence[Tensor],
+    us: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    dens: Sequence[Tensor],
+    decays: Sequence[float],
+    scales: Sequence[float],
+    moved: Sequence[bool],
+) -> bool:
+    """0/1 Adam's sync in one pass per tensor (:func:`~hf_zeroone.optim._local_phase.apply_sync`).
+
+    ``p = synced * decay - u``; where ``moved``, ``m = scale * u * d`` (torch's ``zero_`` and
+    ``addcmul_``, one rounding: a product that underflows keeps its sign); then ``synced = p``.
+    ``False`` (nothing written) where the kernels do not take the lists.
+    """
+    params = list(params)
+    lib = _ready(params)
+    return lib is not None and lib.apply_sync(
+        params, list(synced), list(us), list(exp_avgs), list(dens),
+        [float(f) for f in decays], [float(c) for c in scales], [bool(m) for m in moved], _limit(),
+    )  # fmt: skip
+
+
 def _same(a: Tensor, b: Tensor) -> bool:
     """The same bits, NaN for NaN (whatever its payload)."""
     nan = a.isnan()
@@ -460,10 +477,7 @@ def _agrees_with_torch() -> bool:
         torch._foreach_mul_(copies, factors)
         torch._foreach_sub_(copies, want)
         ok &= all(map(_same, out, copies))
-        scaled_product_(out, grads, want_plain, factors)
-        torch._foreach_zero_(want)
-        torch._foreach_addcmul_(want, grads, want_plain, factors)
-        ok &= all(map(_same, out, want))
+        ok &= _sync_agrees(grads, want_plain, factors)
         ok &= _messages_agree(grads, want_plain, want_scaled, bound, scales)
         ok &= _compression_agrees(gen)
         ok &= all_finite([torch.ones(40, **f32)]) and not all_finite(grads)
@@ -540,3 +554,23 @@ def _compression_agrees(gen: torch.Generator) -> bool:
     add_masked_(y, want.repeat(2), mask)
     ok &= _same(y, (x + want.repeat(2)) * mask)
     return bool(ok)
+
+
+def _sync_agrees(us: list[Tensor], dens: list[Tensor], factors: list[float]) -> bool:
+    """:func:`apply_sync_` against ``_local_phase.apply_sync``'s torch operations.
+
+    One tensor not moved; ``factors`` of 1e-30 make products that underflow, to zeros of both signs.
+    """
+    moved, decays = [True, False, True, True], factors[::-1]
+    params, synced = [torch.empty_like(u) for u in us], [d * 3.0 for d in dens]
+    moms = [d.clone() for d in dens]
+    start = [s.clone() for s in synced]
+    apply_sync_(params, synced, us, moms, dens, decays, factors, moved)
+    want_p = [s.clone() for s in start]
+    torch._foreach_mul_(want_p, decays)
+    torch._foreach_sub_(want_p, us)
+    want_m = [d.clone() for d in dens]
+    for i in (0, 2, 3):
+        want_m[i].zero_().addcmul_(us[i], dens[i], value=factors[i])
+    ok = all(map(_same, params, want_p)) and all(map(_same, synced, want_p))
+    return bool(ok and all(map(_same, moms, want_m)))

@@ -169,19 +169,29 @@ def test_the_sync_arithmetic_is_torchs_bits_also_for_products_that_underflow(ker
     tiny = [g * 1e-13 for g in grads]
     dens = F.denominators([r * r for r in roots], 0.3, 1e-8)
     factors = [0.999, 1.0, 1e-30, 0.5, 1.0, 2.0, 1e-30, 0.25]
-    outs = [[t.clone() for t in tiny] for _ in range(2)]
+    moved = [True, True, True, False, True, True, True, True]
+    outs = [t.clone() for t in tiny]
+    synced, moms, params = [d * 3.0 for d in dens], [t.clone() for t in tiny], [torch.empty_like(t) for t in tiny]
+    start = [s.clone() for s in synced]
     counting = _counting(monkeypatch)
-    assert _cpu_kernels.scaled_difference_(outs[0], outs[0], dens, factors)  # outs aliasing a
-    assert _cpu_kernels.scaled_product_(outs[1], tiny, dens, factors)
-    assert counting.taken == {"scaled_difference": 1, "scaled_product": 1}
+    assert _cpu_kernels.scaled_difference_(outs, outs, dens, factors)  # outs aliasing a
+    assert _cpu_kernels.apply_sync_(params, synced, tiny, moms, dens, factors[::-1], factors, moved)
+    assert counting.taken == {"scaled_difference": 1, "apply_sync": 1}
     want = [t.clone() for t in tiny]
     torch._foreach_mul_(want, factors)
     torch._foreach_sub_(want, dens)
-    assert all(map(_same, outs[0], want))
-    torch._foreach_zero_(want)
-    torch._foreach_addcmul_(want, tiny, dens, factors)
-    assert all(map(_same, outs[1], want))
-    assert any(bool((w == 0).any() and w.signbit().any()) for w in want)  # -0 among them: the case is there
+    assert all(map(_same, outs, want))
+    want_p = [s.clone() for s in start]
+    torch._foreach_mul_(want_p, factors[::-1])
+    torch._foreach_sub_(want_p, tiny)
+    assert all(map(_same, params, want_p)) and all(map(_same, synced, want_p))
+    want_m = [t.clone() for t in tiny]
+    chosen = [i for i, m in enumerate(moved) if m]
+    torch._foreach_zero_([want_m[i] for i in chosen])
+    torch._foreach_addcmul_([want_m[i] for i in chosen], [tiny[i] for i in chosen], [dens[i] for i in chosen],
+                            [factors[i] for i in chosen])  # fmt: skip
+    assert all(map(_same, moms, want_m))
+    assert any(bool((w == 0).any() and w.signbit().any()) for w in want_m)  # -0 among them: the case is there
 
 
 def test_what_the_kernels_do_not_take_goes_to_torch(kernels):  # noqa: ANN001
@@ -234,7 +244,7 @@ def test_a_run_is_the_same_run_with_the_kernels_and_without(kernels, monkeypatch
     fused = _phases(cls, 24, monkeypatch, on=True)
     used = {"all_finite", "adam_update", "clip_to_bounds", "split_denominators", "masked_ratio_norms"}
     if cls is ZeroOneAdam:
-        used |= {"scaled_difference", "scaled_product"}
+        used |= {"scaled_difference", "apply_sync"}
     assert set(counting.taken) >= used, counting.taken  # each kernel of these phases ran
     plain = _phases(cls, 24, monkeypatch, on=False)
     assert fused[2] == plain[2]
@@ -290,6 +300,8 @@ def test_a_two_rank_hook_run_is_the_same_run_with_the_kernels_and_without(kernel
     plain = run_ranks(_hook_run, 2, name, False, timeout=300)
     taken = fused[0][3]
     used = {"update_unit_messages", "from_update_units", "pack_signs", "compression_error", "decompress", "add_masked"}
+    if name == "ZeroOneAdam":
+        used |= {"apply_sync"}
     assert set(taken) >= used | {"decompress_sum"}, sorted(taken.items())  # each kernel of the 1-bit path ran
     kinds = set(fused[0][2])
     assert kinds >= ({"onebit_momentum"} if name == "OneBitAdam" else {"onebit_gradient", "local", "onebit_sync"})

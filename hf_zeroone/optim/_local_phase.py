@@ -125,21 +125,22 @@ def apply_sync(
     """
     us = as_dtypes(combined_u, params)
     synced, decays = [st["sync_param"] for st in states], [float(st["decay_prod"]) for st in states]
-    if not _cpu_kernels.scaled_difference_(params, synced, us, decays):  # one pass on the CPU
+    moved = [st["lr_sum"] > 0 for st in states]
+    scales = [c1 / st["lr_sum"] if st["lr_sum"] > 0 else 0.0 for st in states]
+    exp_avgs = [st["exp_avg"] for st in states]
+    # the three steps below in one pass on the CPU
+    fused = _cpu_kernels.apply_sync_(params, synced, us, exp_avgs, dens, decays, scales, moved)
+    if not fused:
         torch._foreach_copy_(params, synced)
         _scale_unless_one(params, decays)
         torch._foreach_sub_(params, us)
-    moved = [i for i, st in enumerate(states) if st["lr_sum"] > 0]
-    if moved:
-        exp_avgs, moved_us, moved_dens = (
-            [states[i]["exp_avg"] for i in moved],
-            [us[i] for i in moved],
-            [dens[i] for i in moved],
-        )
-        scales = [c1 / states[i]["lr_sum"] for i in moved]
-        if not _cpu_kernels.scaled_product_(exp_avgs, moved_us, moved_dens, scales):
-            torch._foreach_zero_(exp_avgs)
-            torch._foreach_addcmul_(exp_avgs, moved_us, moved_dens, scales)
+        chosen = [i for i, m in enumerate(moved) if m]
+        if chosen:
+            torch._foreach_zero_([exp_avgs[i] for i in chosen])
+            torch._foreach_addcmul_(
+                [exp_avgs[i] for i in chosen], [us[i] for i in chosen], [dens[i] for i in chosen],
+                [scales[i] for i in chosen],
+            )  # fmt: skip
     for p, st in zip(params, states):
         if "update_accumulator" in st:
             if accumulates_displacement(p):
@@ -147,7 +148,8 @@ def apply_sync(
             else:  # derived from now on (a checkpoint of an earlier version brought one)
                 del st["update_accumulator"]
         st["lr_sum"], st["decay_prod"] = 0.0, 1.0
-    torch._foreach_copy_([st["sync_param"] for st in states], params)
+    if not fused:
+        torch._foreach_copy_(synced, params)
 
 
 def note_local_step(states: list[dict[str, Any]], dens: list[Tensor], lr: float, c1: float, decay: float) -> None:

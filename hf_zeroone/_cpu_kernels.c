@@ -1,7 +1,8 @@
-/* Fused element-wise loops for hf_zeroone's CPU step (see _cpu_kernels.py).
+/* Fused element-wise loops for hf_zeroone's CPU step and its 1-bit allreduce (see _cpu_kernels.py).
  *
- * Each function walks a list of n float32 tensors (pointers and element counts) and does in one
- * pass what torch does in several. Every operation is IEEE float32 arithmetic that torch's own
+ * Each function walks a list of n float32 tensors (pointers and element counts), or one flat vector
+ * in segments (the compression loops), and does in one pass what torch does in several. Signs are
+ * read from and written to bits, as compression.pack_signs lays them out. Every operation is IEEE float32 arithmetic that torch's own
  * CPU kernels also round exactly (division, multiplication, addition, comparison), in torch's
  * order, so the results are torch's bit for bit: the build turns off contraction into fused
  * multiply-adds (-ffp-contract=off), and _cpu_kernels.py checks the bits once per process before

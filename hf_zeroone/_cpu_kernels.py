@@ -2,12 +2,15 @@
 
 On the CPU a compressed step walks the model's tensors many times: torch runs a multi-tensor
 operation as one operator per tensor, each a pass over its elements, several writing fresh
-tensors. Several of those chains (the denominators of a frozen variance, clipping to the
-variance, the masked ratios of ``follow_gradient_scale``'s samples, the finiteness check, Adam's
-momentum-and-parameter update, 0/1 Adam's sync arithmetic) are one loop each in
-``_cpu_kernels.c``, over every tensor of a list in one call. They use only operations that torch's CPU kernels round
-exactly (division, multiplication, addition, comparisons), in torch's order and compiled without
-fused multiply-adds, so each gives the same bits as the torch operations it replaces: a run with
+tensors. Several of those chains are one loop each in ``_cpu_kernels.c``, over every tensor of a
+list in one call: the denominators of a frozen variance, clipping to the variance, the masked
+ratios of ``follow_gradient_scale``'s samples, the finiteness check, Adam's momentum-and-parameter
+update, 0/1 Adam's sync; the 1-bit messages in update units (clipped, as momenta) and the
+combined results out of them (as implied gradients); and the two-stage allreduce's arithmetic
+(sign packing, compression error, decompression, the server's sum, each with the caller's mask).
+They use only operations that torch's CPU kernels round exactly (division, multiplication,
+addition, comparisons; ``fmaf`` where torch fuses), in torch's order and compiled without
+contraction into fused multiply-adds, so each gives the same bits as the torch operations it replaces: a run with
 and without them is the same run, and a rank that cannot build them still agrees bit for bit with
 ranks that can.
 
@@ -17,8 +20,9 @@ extension with the system's C++ compiler (``$CXX``, else ``c++``) and ninja, in 
 ``$HF_ZEROONE_CACHE`` (default ``$XDG_CACHE_HOME/hf_zeroone``, else ``~/.cache/hf_zeroone``), named
 by a hash of the sources, the flags, torch's version, Python's extension ABI, the compiler's version
 and the CPU's features, and checked against torch on a small sample before their first use in a
-process. Without a compiler or ninja, or when the check fails, a warning says so
-once and torch's operations run instead. ``HF_ZEROONE_CPU_KERNELS=0`` turns the kernels off.
+process (:mod:`hf_zeroone._cpu_kernels_check`). Without a compiler or ninja, or when the check
+fails, a warning says so once and torch's operations run instead. ``HF_ZEROONE_CPU_KERNELS=0``
+turns the kernels off.
 
 Callers offer a list; each function here returns ``None`` where it does not take it (not all
 float32 contiguous CPU tensors, the kernels off, or large tensors while torch runs several threads,
@@ -420,157 +424,8 @@ def apply_sync_(
     )  # fmt: skip
 
 
-def _same(a: Tensor, b: Tensor) -> bool:
-    """The same bits, NaN for NaN (whatever its payload)."""
-    nan = a.isnan()
-    return bool(torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32)))
-
-
 def _agrees_with_torch() -> bool:
-    """Each kernel against the torch operations it stands for, on values with every float32 class in them."""
-    gen = torch.Generator().manual_seed(0)
-    f32 = {"dtype": torch.float32, "device": "cpu"}  # whatever torch's defaults are
-    sizes = (1, 7, 33, 1000)
-    specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-38, 3e38, float("inf"), -1.0, 1.0], **f32)
-    tiny = [torch.randn(n, generator=gen, **f32) * 1e-13 for n in sizes]  # products that underflow to ±0
-    grads = [torch.cat([t, torch.randn(n, generator=gen, **f32), specials]) for t, n in zip(tiny, sizes)]
-    roots = [torch.cat([torch.rand(2 * n, generator=gen, **f32) * 1e-3, specials.abs()]) for n in sizes]
-    root_c2, eps, bound = 0.3, 1e-8, 31.62
-    scales = torch.rand(len(sizes), generator=gen, **f32) + 0.5
-    t32 = lambda x: torch.tensor(x, **f32)  # noqa: E731 - torch's 0-dim operand
-    try:
-        split = [r.clone() for r in roots]
-        plain = split_denominators_(split, root_c2, scales, eps)
-        in_place, scaled = [r.clone() for r in roots], [r.clone() for r in roots]
-        plain_denominators_(in_place, root_c2, eps)
-        scaled_denominators_(scaled, scales, eps)
-        want_plain = [r / t32(root_c2) + t32(eps) for r in roots]
-        ok = all(map(_same, plain, want_plain)) and all(map(_same, in_place, want_plain))
-        want_scaled = [x * s + t32(eps) for x, s in zip(roots, scales.unbind())]
-        ok &= all(map(_same, split, want_scaled)) and all(map(_same, scaled, want_scaled))
-        clipped = clip_to_bounds(grads, want_plain, bound)
-        bounds = [d * t32(bound) for d in want_plain]
-        want = [torch.maximum(torch.minimum(g, b), -b) for g, b in zip(grads, bounds)]
-        ok &= all(map(_same, clipped, want))
-        floors = torch.full((len(sizes),), 2e-4, **f32)
-        shaped = [g[: (g.numel() // 4) * 4].reshape(-1, 4) for g in grads]  # 2-D tensors: the norm's order
-        shaped_dens = [d[: (d.numel() // 4) * 4].reshape(-1, 4) for d in want_plain]
-        norms = masked_ratio_norms(shaped, shaped_dens, floors, [True, False, True, False])
-        want = [g / d for g, d in zip(shaped, shaped_dens)]
-        for i in (0, 2):
-            want[i].masked_fill_(shaped_dens[i] < floors[i], 0.0)
-        ok &= _same(norms, torch.stack(torch._foreach_norm(want)))
-        for decay in (1.0, 0.99):
-            ps, ms = [g.clone() for g in grads], [d.clone() for d in want_plain]
-            adam_update_(ps, want_scaled, ms, want_plain, 0.1, decay, -3e-3)
-            want_p, want_m = [g.clone() for g in grads], [d.clone() for d in want_plain]
-            torch._foreach_lerp_(want_m, want_scaled, 0.1)
-            if decay != 1.0:
-                torch._foreach_mul_(want_p, t32(decay))
-            torch._foreach_addcdiv_(want_p, want_m, want_plain, value=-3e-3)
-            ok &= all(map(_same, ps, want_p)) and all(map(_same, ms, want_m))
-        factors = [0.999, 1.0, 1e-30, 0.5]  # 1e-30: products that underflow, to zeros of both signs
-        out = [g.clone() for g in grads]
-        scaled_difference_(out, want_plain, out, factors)
-        want = [g.clone() for g in grads]
-        copies = [d.clone() for d in want_plain]
-        torch._foreach_mul_(copies, factors)
-        torch._foreach_sub_(copies, want)
-        ok &= all(map(_same, out, copies))
-        ok &= _sync_agrees(grads, want_plain, factors)
-        ok &= _messages_agree(grads, want_plain, want_scaled, bound, scales)
-        ok &= _compression_agrees(gen)
-        ok &= all_finite([torch.ones(40, **f32)]) and not all_finite(grads)
-        ok &= not all_finite([torch.tensor([float("nan")], **f32)])
-        return bool(ok)
-    except Exception:  # noqa: BLE001 - a broken library is not used
-        return False
+    """Every kernel against the torch operations it stands for (:mod:`hf_zeroone._cpu_kernels_check`)."""
+    from hf_zeroone._cpu_kernels_check import agrees_with_torch
 
-
-def _messages_agree(grads: list[Tensor], dens: list[Tensor], moms: list[Tensor], bound: float, means: Tensor) -> bool:
-    """:func:`update_unit_messages_` and :func:`from_update_units_` against torch's operations."""
-    ok = True
-    for clip, momentum in ((True, True), (False, False), (True, False)):
-        outs = [torch.empty_like(g) for g in grads]
-        update_unit_messages_(grads, dens if clip else None, moms if momentum else None, dens, outs, bound, 0.1, means)
-        want = [g.clone() for g in grads]
-        if clip:
-            limits = [d * torch.tensor(bound, dtype=torch.float32) for d in dens]
-            want = [torch.maximum(torch.minimum(g, b), -b) for g, b in zip(want, limits)]
-        if momentum:
-            want = [torch.lerp(m, g, 0.1) for m, g in zip(moms, want)]
-        torch._foreach_mul_(want, list(means.unbind()))
-        torch._foreach_div_(want, dens)
-        ok &= all(map(_same, outs, want))
-        values = [g.clone() for g in grads]
-        from_update_units_(values, dens, moms if momentum else None, means, 10.0)
-        want = [g.clone() for g in grads]
-        torch._foreach_mul_(want, dens)
-        torch._foreach_div_(want, list(means.unbind()))
-        if momentum:
-            want = [torch.lerp(m, v, 10.0) for m, v in zip(moms, want)]
-        ok &= all(map(_same, values, want))
-    return bool(ok)
-
-
-def _compression_agrees(gen: torch.Generator) -> bool:
-    """The sign packing, compression error and decompressions against :mod:`hf_zeroone.compression`'s torch forms.
-
-    Each with and without a mask of zeros and ones, which torch multiplies in (``-x * 0`` is ``-0``).
-    """
-    from hf_zeroone import compression  # the module that calls these kernels: imported here, after loading
-
-    specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, float("inf"), float("-inf"), float("nan"), -1.0])
-    x = torch.cat([torch.randn(88, generator=gen), specials])  # 96 elements: 12 bytes of signs
-    bounds, scales = (0, 5, 5, 40, 96), torch.tensor([0.5, 2.0, float("nan"), 1e-30])
-    ok = torch.equal(pack_signs(x.view(2, 48)), compression._pack_signs_torch(x.view(2, 48)))
-    mask = (torch.rand(96, generator=gen) < 0.7).float()
-    packed = compression._pack_signs_torch(x)
-    signs = compression._unpack_signs_elementwise(packed, torch.float32).reshape(-1)
-    for m in (None, mask):
-        out = torch.empty_like(x)
-        compression_error_(x, scales, bounds, out, m)
-        want = x - torch.cat([torch.copysign(s, x[a:b]) for s, a, b in zip(scales, bounds, bounds[1:])])
-        ok &= _same(out, want if m is None else want * m)
-        decompress_(packed, scales, bounds, out, m)
-        want = torch.cat([signs[a:b] * s for s, a, b in zip(scales, bounds, bounds[1:])])
-        ok &= _same(out, want if m is None else want * m)
-    rows = torch.randint(0, 256, (3, 7), dtype=torch.uint8, generator=gen)  # 3 copies of 48 signs, 1 spare byte
-    chunk_bounds, row_scales = (0, 17, 17, 48), torch.rand(9, generator=gen)
-    error = torch.randn(48, generator=gen)
-    copies = []
-    for r in range(3):
-        signs = compression._unpack_signs_elementwise(rows[r, :6].contiguous(), torch.float32).reshape(-1)
-        spans = zip(row_scales[3 * r :], chunk_bounds, chunk_bounds[1:])
-        copies.append(torch.cat([signs[a:b] * s for s, a, b in spans]))
-    want = copies[0] + error
-    for c in copies[1:]:
-        want += c
-    for m in (None, mask[:48]):
-        sums = torch.empty(48)
-        decompress_sum_(rows, row_scales, chunk_bounds, error, sums, m)
-        ok &= _same(sums, want if m is None else want * m)
-    y = x.clone()
-    add_masked_(y, want.repeat(2), mask)
-    ok &= _same(y, (x + want.repeat(2)) * mask)
-    return bool(ok)
-
-
-def _sync_agrees(us: list[Tensor], dens: list[Tensor], factors: list[float]) -> bool:
-    """:func:`apply_sync_` against ``_local_phase.apply_sync``'s torch operations.
-
-    One tensor not moved; ``factors`` of 1e-30 make products that underflow, to zeros of both signs.
-    """
-    moved, decays = [True, False, True, True], factors[::-1]
-    params, synced = [torch.empty_like(u) for u in us], [d * 3.0 for d in dens]
-    moms = [d.clone() for d in dens]
-    start = [s.clone() for s in synced]
-    apply_sync_(params, synced, us, moms, dens, decays, factors, moved)
-    want_p = [s.clone() for s in start]
-    torch._foreach_mul_(want_p, decays)
-    torch._foreach_sub_(want_p, us)
-    want_m = [d.clone() for d in dens]
-    for i in (0, 2, 3):
-        want_m[i].zero_().addcmul_(us[i], dens[i], value=factors[i])
-    ok = all(map(_same, params, want_p)) and all(map(_same, synced, want_p))
-    return bool(ok and all(map(_same, moms, want_m)))
+    return agrees_with_torch()

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from hf_zeroone import OneBitAdam, ZeroOneAdam, _cpu_kernels
+from hf_zeroone import OneBitAdam, ZeroOneAdam, _cpu_kernels, _cpu_kernels_check
 from hf_zeroone._tensors import all_finite
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._grad_scale import scale_samples
@@ -39,7 +39,7 @@ _SPECIALS = [0.0, -0.0, 1e-45, -1e-45, 1e-38, 3.4e38, -3.4e38, float("inf"), -fl
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != torch.float32 or b.dtype != torch.float32:
         return a.dtype == b.dtype and torch.equal(a, b)
-    return _cpu_kernels._same(a.reshape(-1), b.reshape(-1))
+    return _cpu_kernels_check.same(a.reshape(-1), b.reshape(-1))
 
 
 def _lists(seed: int, sizes=(0, 1, 3, 16, 17, 63, 1000, 4099)):  # noqa: ANN001, ANN202

@@ -12,6 +12,14 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+
+/* The bits of a float (memcpy: reading them through a cast pointer is undefined in C++). */
+static inline uint32_t bits_of(float x) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    return b;
+}
 
 /* torch.minimum / torch.maximum of float32 on the CPU: NaN wins, otherwise (a < b) ? a : b, which
  * on equal values (+0 and -0) returns b, as the vectorised kernels' min/max instructions do. Two
@@ -50,9 +58,9 @@ void hz_scaled_difference(int64_t n, float **out, float **a, float **b, const in
 int hz_all_finite(int64_t n, float **tensors, const int64_t *numel) {
     uint32_t special = 0;
     for (int64_t t = 0; t < n; t++) {
-        const uint32_t *x = (const uint32_t *)tensors[t];
+        const float *x = tensors[t];
         uint32_t found = 0;
-        for (int64_t i = 0; i < numel[t]; i++) found |= (uint32_t)((x[i] & 0x7f800000u) == 0x7f800000u);
+        for (int64_t i = 0; i < numel[t]; i++) found |= (uint32_t)((bits_of(x[i]) & 0x7f800000u) == 0x7f800000u);
         special |= found;
         if (special) return 0;
     }
@@ -177,11 +185,9 @@ void hz_from_update_units(int64_t n, float **values, float **dens, float **exp_a
 /* The signs of x packed eight to a byte, first element in the most significant bit, bit 1 where
  * the sign bit is clear (compression.pack_signs); count is a multiple of 8. */
 void hz_pack_signs(const float *x, int64_t count, uint8_t *out) {
-    const uint32_t *bits = (const uint32_t *)x;
     for (int64_t j = 0; j < count / 8; j++) {
-        const uint32_t *b = bits + 8 * j;
         uint32_t byte = 0;
-        for (int k = 0; k < 8; k++) byte = (byte << 1) | ((~b[k]) >> 31);
+        for (int k = 0; k < 8; k++) byte = (byte << 1) | ((~bits_of(x[8 * j + k])) >> 31);
         out[j] = (uint8_t)byte;
     }
 }

@@ -215,6 +215,15 @@ bool plain(const at::Tensor& t, at::ScalarType dtype, int64_t limit) {
            t.is_contiguous() && !(limit > 0 && t.numel() >= limit);
 }
 
+// Whether two tensors' memory overlaps (a kernel that reads one while writing the other elementwise would then
+// differ from torch, which may copy first).
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+    if (!a.has_storage() || !b.has_storage() || !a.storage().is_alias_of(b.storage())) return false;
+    const auto* a0 = static_cast<const char*>(a.data_ptr());
+    const auto* b0 = static_cast<const char*>(b.data_ptr());
+    return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
 // Segment bounds that run from 0 to `numel`, never decreasing, one more than `scales` holds.
 bool valid_bounds(const std::vector<int64_t>& bounds, int64_t numel, int64_t scales) {
     if ((int64_t)bounds.size() != scales + 1 || bounds.front() != 0 || bounds.back() != numel) return false;
@@ -242,7 +251,7 @@ bool compression_error(const at::Tensor& x, const at::Tensor& scales, const std:
     at::Tensor mask = mask_.value_or(at::Tensor());
     if (!plain(x, at::kFloat, limit) || !plain(out, at::kFloat, limit) || !plain(scales, at::kFloat, 0) ||
         out.numel() != x.numel() || !valid_bounds(bounds, x.numel(), scales.numel()) ||
-        !mask_ok(mask, x.numel(), limit))
+        !mask_ok(mask, x.numel(), limit) || overlaps(x, out))
         return false;
     hz_compression_error(x.data_ptr<float>(), scales.numel(), bounds.data(), scales.data_ptr<float>(), mask_ptr(mask),
                          out.data_ptr<float>());
@@ -275,8 +284,8 @@ bool decompress_sum(const at::Tensor& rows, const at::Tensor& scales, const std:
     if (!plain(rows, at::kByte, 0) || rows.dim() != 2 || !plain(scales, at::kFloat, 0) ||
         !plain(error, at::kFloat, limit) || !plain(out, at::kFloat, limit) || error.numel() != out.numel() ||
         bounds.size() < 1 || scales.numel() != rows.size(0) * (int64_t)(bounds.size() - 1) ||
-        !valid_bounds(bounds, out.numel(), (int64_t)bounds.size() - 1) || rows.size(1) * 8 < out.numel() ||
-        out.is_same(error) || !mask_ok(mask, out.numel(), limit))
+        !valid_bounds(bounds, out.numel(), (int64_t)bounds.size() - 1) || rows.size(0) < 1 ||
+        rows.size(1) * 8 < out.numel() || overlaps(error, out) || !mask_ok(mask, out.numel(), limit))
         return false;
     hz_decompress_sum(rows.data_ptr<uint8_t>(), rows.size(0), rows.size(1), (int64_t)bounds.size() - 1, bounds.data(),
                       scales.data_ptr<float>(), error.data_ptr<float>(), mask_ptr(mask), out.data_ptr<float>());

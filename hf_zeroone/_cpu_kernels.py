@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -79,6 +80,9 @@ _ENV = "HF_ZEROONE_CPU_KERNELS"
 
 _library: Any = None
 _tried = False
+#: the thread that is loading and checking the library, ``None`` outside that (see _library_or_none)
+_loading: threading.Thread | None = None
+_init_lock = threading.RLock()
 _log = logging.getLogger(__name__)
 
 
@@ -197,19 +201,32 @@ def _load() -> Any:  # noqa: ANN401 - the compiled module
 
 
 def _library_or_none() -> Any:  # noqa: ANN401
-    global _library, _tried
-    if not _tried:
-        _tried = True
-        _library = _load()
-        if _library is not None and not _agrees_with_torch():
-            warnings.warn(
-                "hf_zeroone: its fused CPU kernels, as this machine's compiler built them, do not give torch's "
-                f"bits; the optimizers' CPU steps run torch's operations instead (set {_ENV}=0 to silence this)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            _library = None
-    return _library
+    """The checked library, or ``None``; the first call loads and checks it.
+
+    Kernels run on the communicator's thread too: while one thread loads and checks the library,
+    the others wait here (the lock) rather than use a library not yet checked. The loading thread
+    itself re-enters (the check calls the kernels).
+    """
+    global _library, _tried, _loading
+    if _tried and _loading is None:
+        return _library
+    with _init_lock:
+        if not _tried:
+            _tried, _loading = True, threading.current_thread()
+            try:
+                _library = _load()
+                if _library is not None and not _agrees_with_torch():
+                    warnings.warn(
+                        "hf_zeroone: its fused CPU kernels, as this machine's compiler built them, do not give "
+                        f"torch's bits; the optimizers' CPU steps run torch's operations instead (set {_ENV}=0 to "
+                        "silence this)",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    _library = None
+            finally:
+                _loading = None
+        return _library
 
 
 def enabled() -> bool:

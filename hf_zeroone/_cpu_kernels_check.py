@@ -15,6 +15,9 @@ from hf_zeroone import _cpu_kernels as K
 
 __all__ = ["agrees_with_torch", "same"]
 
+#: whatever torch's defaults are (``set_default_dtype``, ``set_default_device``): the kernels take CPU float32
+F32 = {"dtype": torch.float32, "device": "cpu"}
+
 
 def same(a: Tensor, b: Tensor) -> bool:
     """The same bits, NaN for NaN (whatever its payload)."""
@@ -86,17 +89,18 @@ def agrees_with_torch() -> bool:
 def _messages_agree(grads: list[Tensor], dens: list[Tensor], moms: list[Tensor], bound: float, means: Tensor) -> bool:
     """:func:`update_unit_messages_` and :func:`from_update_units_` against torch's operations."""
     ok = True
-    for clip, momentum in ((True, True), (False, False), (True, False)):
+    # the weight 0.7: torch's lerp from the end (beta1 <= 0.5)
+    for clip, momentum, weight in ((True, True, 0.1), (False, False, 0.1), (True, False, 0.1), (False, True, 0.7)):
         outs = [torch.empty_like(g) for g in grads]
         K.update_unit_messages_(
-            grads, dens if clip else None, moms if momentum else None, dens, outs, bound, 0.1, means
+            grads, dens if clip else None, moms if momentum else None, dens, outs, bound, weight, means
         )
         want = [g.clone() for g in grads]
         if clip:
-            limits = [d * torch.tensor(bound, dtype=torch.float32) for d in dens]
+            limits = [d * torch.tensor(bound, **F32) for d in dens]
             want = [torch.maximum(torch.minimum(g, b), -b) for g, b in zip(want, limits)]
         if momentum:
-            want = [torch.lerp(m, g, 0.1) for m, g in zip(moms, want)]
+            want = [torch.lerp(m, g, weight) for m, g in zip(moms, want)]
         torch._foreach_mul_(want, list(means.unbind()))
         torch._foreach_div_(want, dens)
         ok &= all(map(same, outs, want))
@@ -118,11 +122,11 @@ def _compression_agrees(gen: torch.Generator) -> bool:
     """
     from hf_zeroone import compression  # the module that calls these kernels: imported here, after loading
 
-    specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, float("inf"), float("-inf"), float("nan"), -1.0])
-    x = torch.cat([torch.randn(88, generator=gen), specials])  # 96 elements: 12 bytes of signs
-    bounds, scales = (0, 5, 5, 40, 96), torch.tensor([0.5, 2.0, float("nan"), 1e-30])
+    specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, float("inf"), float("-inf"), float("nan"), -1.0], **F32)
+    x = torch.cat([torch.randn(88, generator=gen, **F32), specials])  # 96 elements: 12 bytes of signs
+    bounds, scales = (0, 5, 5, 40, 96), torch.tensor([0.5, 2.0, float("nan"), 1e-30], **F32)
     ok = torch.equal(K.pack_signs(x.view(2, 48)), compression._pack_signs_torch(x.view(2, 48)))
-    mask = (torch.rand(96, generator=gen) < 0.7).float()
+    mask = (torch.rand(96, generator=gen, **F32) < 0.7).float()
     packed = compression._pack_signs_torch(x)
     signs = compression._unpack_signs_elementwise(packed, torch.float32).reshape(-1)
     for m in (None, mask):
@@ -133,9 +137,9 @@ def _compression_agrees(gen: torch.Generator) -> bool:
         K.decompress_(packed, scales, bounds, out, m)
         want = torch.cat([signs[a:b] * s for s, a, b in zip(scales, bounds, bounds[1:])])
         ok &= same(out, want if m is None else want * m)
-    rows = torch.randint(0, 256, (3, 7), dtype=torch.uint8, generator=gen)  # 3 copies of 48 signs, 1 spare byte
-    chunk_bounds, row_scales = (0, 17, 17, 48), torch.rand(9, generator=gen)
-    error = torch.randn(48, generator=gen)
+    rows = torch.randint(0, 256, (3, 7), dtype=torch.uint8, device="cpu", generator=gen)  # 3 x 48 signs, a spare byte
+    chunk_bounds, row_scales = (0, 17, 17, 48), torch.rand(9, generator=gen, **F32)
+    error = torch.randn(48, generator=gen, **F32)
     copies = []
     for r in range(3):
         signs = compression._unpack_signs_elementwise(rows[r, :6].contiguous(), torch.float32).reshape(-1)
@@ -145,7 +149,7 @@ def _compression_agrees(gen: torch.Generator) -> bool:
     for c in copies[1:]:
         want += c
     for m in (None, mask[:48]):
-        sums = torch.empty(48)
+        sums = torch.empty(48, **F32)
         K.decompress_sum_(rows, row_scales, chunk_bounds, error, sums, m)
         ok &= same(sums, want if m is None else want * m)
     y = x.clone()

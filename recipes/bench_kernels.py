@@ -17,8 +17,9 @@ same for an exact step's float8 messages (``exact_step_dtype="float8_e4m3fn"``, 
 segments taken as the bucket's tensors): 8 n bytes, the input read and the result written.
 The goals on an H100 (issue 13): at least
 30% of the memory bandwidth for it, and a 1-bit step's compression overhead under 5% of a
-BERT-base forward + backward (``--bert``). Every kernel here is plain torch (no Triton or
-torch.compile kernel yet).
+BERT-base forward + backward (``--bert``). On accelerators every kernel here is plain torch (no
+Triton or torch.compile kernel yet); on the CPU the package's fused kernels run where they apply
+(``HF_ZEROONE_CPU_KERNELS=0`` times torch's operations instead).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -168,7 +169,7 @@ def test_the_sync_arithmetic_is_torchs_bits_also_for_products_that_underflow(ker
     grads, roots = _lists(4)
     tiny = [g * 1e-13 for g in grads]
     dens = F.denominators([r * r for r in roots], 0.3, 1e-8)
-    factors = [0.999, 1.0, 1e-30, 0.5, 1.0, 2.0, 1e-30, 0.25]
+    factors = [0.999, 1.0, 1e-30, 0.5, 1.0, 2.0, 1e-20, 1e-30]  # 1e-20, 1e-30: products that underflow
     moved = [True, True, True, False, True, True, True, True]
     outs = [t.clone() for t in tiny]
     synced, moms, params = [d * 3.0 for d in dens], [t.clone() for t in tiny], [torch.empty_like(t) for t in tiny]
@@ -191,7 +192,8 @@ def test_the_sync_arithmetic_is_torchs_bits_also_for_products_that_underflow(ker
     torch._foreach_addcmul_([want_m[i] for i in chosen], [tiny[i] for i in chosen], [dens[i] for i in chosen],
                             [factors[i] for i in chosen])  # fmt: skip
     assert all(map(_same, moms, want_m))
-    assert any(bool((w == 0).any() and w.signbit().any()) for w in want_m)  # -0 among them: the case is there
+    underflowed = [(w == 0) & w.signbit() & (t != 0) & (d != 0) for w, t, d in zip(want_m, tiny, dens)]
+    assert any(bool(u.any()) for u in underflowed)  # -0 from a product of non-zeros: the case is there
 
 
 def test_what_the_kernels_do_not_take_goes_to_torch(kernels):  # noqa: ANN001
@@ -205,6 +207,16 @@ def test_what_the_kernels_do_not_take_goes_to_torch(kernels):  # noqa: ANN001
         frozen = torch.ones(3)
     assert _cpu_kernels.all_finite([frozen]) is None
     assert not _cpu_kernels.adam_update_([g], [g], [g.clone()], [d], 0.7, 1.0, -1e-3)  # torch's other lerp form
+    x, out, scales = torch.randn(16), torch.empty(16), torch.ones(2)
+    assert not _cpu_kernels.compression_error_(x, scales, (0, 9, 8), out)  # bounds that decrease
+    assert not _cpu_kernels.compression_error_(x, scales, (0, 8, 15), out)  # bounds short of the end
+    assert not _cpu_kernels.compression_error_(x, scales, (0, 8, 16), out, torch.ones(15))  # a short mask
+    assert not _cpu_kernels.compression_error_(x, scales, (0, 8, 16), x)  # out is x
+    assert not _cpu_kernels.decompress_(torch.zeros(1, dtype=torch.uint8), scales, (0, 8, 16), out)  # too few signs
+    rows, error = torch.zeros(2, 1, dtype=torch.uint8), torch.zeros(16)
+    assert not _cpu_kernels.decompress_sum_(rows, scales.repeat(2), (0, 8, 16), error, out)  # rows too short
+    assert not _cpu_kernels.decompress_sum_(rows[:0], scales[:0], (0, 8, 16), error, out)  # no rows
+    assert not _cpu_kernels.decompress_sum_(rows, scales.repeat(2), (0, 8, 16), out, out)  # error is out
     big = torch.ones(_cpu_kernels._GRAIN)
     threads = torch.get_num_threads()
     try:
@@ -255,7 +267,7 @@ def test_a_run_is_the_same_run_with_the_kernels_and_without(kernels, monkeypatch
         assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
 
 
-def _hook_run(rank: int, world: int, name: str, on: bool):  # noqa: ANN202
+def _hook_run(rank: int, world: int, name: str, on: bool, masked: bool = True):  # noqa: ANN202
     """A 2-rank DDP run of ``name`` with the hook, kernels on or off: parameters, state, kinds, kernels taken.
 
     0/1 Adam with 1-bit gradient steps between its variance steps (``exact_warmup_steps`` short).
@@ -276,7 +288,7 @@ def _hook_run(rank: int, world: int, name: str, on: bool):  # noqa: ANN202
     cls = {"OneBitAdam": OneBitAdam, "ZeroOneAdam": ZeroOneAdam}[name]
     zeroone = {"var_freeze_step": 12, "exact_warmup_steps": 3, "var_update_scaler": 1, "local_step_clipper": 4}
     kw = {"freeze_step": 6} if cls is OneBitAdam else zeroone
-    opt = cls(ddp.parameters(), lr=3e-3, **kw)
+    opt = cls(ddp.parameters(), lr=3e-3, auto_momentum_mask=masked, **kw)  # the embedding's unused rows masked
     register_zeroone_hook(ddp, opt)
     gen = torch.Generator().manual_seed(1 + rank)
     kinds = []
@@ -293,13 +305,18 @@ def _hook_run(rank: int, world: int, name: str, on: bool):  # noqa: ANN202
     return params, state, kinds, dict(counting.taken) if on else {}
 
 
-@pytest.mark.parametrize("name", ["OneBitAdam", "ZeroOneAdam"])
-def test_a_two_rank_hook_run_is_the_same_run_with_the_kernels_and_without(kernels, name):  # noqa: ANN001
-    """The 1-bit messages, their compression and the combined results: the same bits with and without the kernels."""
-    fused = run_ranks(_hook_run, 2, name, True, timeout=300)
-    plain = run_ranks(_hook_run, 2, name, False, timeout=300)
+@pytest.mark.parametrize("name, masked", [("OneBitAdam", True), ("ZeroOneAdam", True), ("OneBitAdam", False)])
+def test_a_two_rank_hook_run_is_the_same_run_with_the_kernels_and_without(kernels, name, masked):  # noqa: ANN001
+    """The 1-bit messages, their compression and the combined results: the same bits with and without the kernels.
+
+    With masked rows (the caller's mask in the allreduce's passes) and without (only the padding).
+    """
+    fused = run_ranks(_hook_run, 2, name, True, masked, timeout=300)
+    plain = run_ranks(_hook_run, 2, name, False, masked, timeout=300)
     taken = fused[0][3]
-    used = {"update_unit_messages", "from_update_units", "pack_signs", "compression_error", "decompress", "add_masked"}
+    used = {"update_unit_messages", "from_update_units", "pack_signs", "compression_error", "decompress"}
+    if masked:
+        used |= {"add_masked"}
     if name == "ZeroOneAdam":
         used |= {"apply_sync"}
     assert set(taken) >= used | {"decompress_sum"}, sorted(taken.items())  # each kernel of the 1-bit path ran
@@ -310,6 +327,50 @@ def test_a_two_rank_hook_run_is_the_same_run_with_the_kernels_and_without(kernel
         assert all(map(_same, fused[rank][0], plain[rank][0]))
         for a, b in zip(fused[rank][1], plain[rank][1]):
             assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+
+
+def test_other_threads_wait_for_the_load_time_check(kernels, monkeypatch):  # noqa: ANN001
+    """The communicator's thread runs kernels too: it never gets a library that is still being checked."""
+    lib = _cpu_kernels._library_or_none()
+    started, release = threading.Event(), threading.Event()
+
+    def slow_refusal() -> bool:
+        started.set()
+        release.wait(30)
+        return False
+
+    monkeypatch.setattr(_cpu_kernels, "_tried", False)
+    monkeypatch.setattr(_cpu_kernels, "_library", None)
+    monkeypatch.setattr(_cpu_kernels, "_load", lambda: lib)
+    monkeypatch.setattr(_cpu_kernels, "_agrees_with_torch", slow_refusal)
+
+    def first() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _cpu_kernels._library_or_none()
+
+    loading = threading.Thread(target=first)
+    loading.start()
+    assert started.wait(30)
+    seen: list = []
+    other = threading.Thread(target=lambda: seen.append(_cpu_kernels._library_or_none()))
+    other.start()
+    other.join(0.5)
+    waited = other.is_alive()
+    release.set()
+    loading.join(30)
+    other.join(30)
+    assert waited and seen == [None]  # it waited, then got the refusal, never the unchecked library
+
+
+def test_the_load_time_check_passes_whatever_torchs_default_dtype(kernels):  # noqa: ANN001
+    """The check builds CPU float32 values itself: a user's ``set_default_dtype`` does not turn the kernels off."""
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert _cpu_kernels._agrees_with_torch()
+    finally:
+        torch.set_default_dtype(default)
 
 
 def test_a_library_built_with_other_rounding_is_refused(monkeypatch, tmp_path):  # noqa: ANN001

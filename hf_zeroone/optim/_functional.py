@@ -49,6 +49,7 @@ __all__ = [
     "clip_to_variance",
     "denominators",
     "from_update_units",
+    "fuses_on_cpu",
     "implied_gradients",
     "l2_gradients",
     "local_sq_norms",
@@ -275,6 +276,11 @@ def from_update_units(
     apply_per_tensor("div", values, list(means.unbind()), in_place=True)
     if implied_from is not None:
         implied_gradients(implied_from, values, beta1)
+
+
+def fuses_on_cpu(tensors: Sequence[Tensor]) -> bool:
+    """Whether the fused CPU kernels are on and ``tensors`` (a list's first) are on the CPU, where they may run."""
+    return bool(tensors) and tensors[0].is_cpu and _cpu_kernels.enabled()
 
 
 def update_unit_messages(

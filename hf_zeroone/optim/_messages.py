@@ -103,8 +103,10 @@ class Messages:
         for group, ps, items in opt.grouped(params, list(zip(grads, outs))):
             gs, os_ = [g for g, _ in items], [o for _, o in items]
             c2 = opt._coefficients(group, kind)[1]
-            # with the plain denominators of the units from the same sqrt(v) (finish releases them)
-            clip_dens = opt._denominators(group, ps, kind, c2, keep_plain=units) if opt.clip_to_variance else None
+            # on the CPU with the plain denominators of the units from the same sqrt(v) (finish releases
+            # them); elsewhere the scaled ones are freed before the plain ones are made (a bucket-sized peak)
+            keep_plain = units and F.fuses_on_cpu(ps)
+            clip_dens = opt._denominators(group, ps, kind, c2, keep_plain=keep_plain) if opt.clip_to_variance else None
             momentum = kind is StepKind.ONEBIT_MOMENTUM
             l2 = momentum and group["weight_decay"] and not group["decoupled_weight_decay"]
             if units:

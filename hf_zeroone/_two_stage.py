@@ -124,7 +124,7 @@ def compressed_allreduce(
 
     # Stage 1, worker side: y = x + e_w, compressed segment by segment.
     y = buffer
-    mask = None if layout.fully_unmasked else layout.mask  # the caller's masked elements, if any
+    mask = _caller_mask(layout, 0, layout.padded)
     if mask is None or not _cpu_kernels.add_masked_(y, worker_error, mask):  # one pass on the CPU
         y.add_(worker_error)
         _zero_masked(y, layout)
@@ -180,6 +180,11 @@ def compressed_allreduce(
     return result
 
 
+def _caller_mask(layout: ChunkLayout, start: int, n: int) -> Tensor | None:
+    """The mask of layout positions ``start .. start + n`` if the caller masked any; ``None`` if only padding is."""
+    return None if layout.fully_unmasked else layout.mask[start : start + n]
+
+
 def _server_sum(
     recv: Tensor, nb: int, scales: Tensor, bounds: tuple[int, ...], error: Tensor, into: Tensor,
     layout: ChunkLayout, start: int,
@@ -192,7 +197,7 @@ def _server_sum(
     by row (much faster than a sum over dim 0 on the CPU), then masked: the same bits.
     """
     p, c = into.shape
-    mask = None if layout.fully_unmasked else layout.mask[start : start + c]
+    mask = _caller_mask(layout, start, c)
     if _cpu_kernels.decompress_sum_(recv, scales, bounds, error, into[0], mask):
         if mask is None:
             _zero_masked(into[0], layout, start=start)  # the padding at the end, if this chunk holds it
@@ -212,7 +217,7 @@ def _masked_error(
 
     ``x`` holds layout positions ``start ..``. On the CPU the caller's mask is applied in the same pass.
     """
-    mask = None if layout.fully_unmasked else layout.mask[start : start + x.numel()]
+    mask = _caller_mask(layout, start, x.numel())
     if mask is not None and _cpu_kernels.compression_error_(x, scales, bounds, out, mask):
         return
     _zero_masked(compression_error(x, scales, bounds, out=out), layout, start)

@@ -64,6 +64,7 @@ from torch import Tensor
 from hf_zeroone import _cpu_kernels
 from hf_zeroone._tensors import mul_scalar_, per_tensor_operand, shape_groups, stacks_by_shape
 from hf_zeroone.optim import _functional as F
+from hf_zeroone.optim._scalar_vectors import adopt, as_vector, joined
 from hf_zeroone.optim._step_kind import StepKind
 
 __all__ = ["GradientScale", "factors", "kept_fraction", "sample_statistics", "scale_samples"]
@@ -91,7 +92,7 @@ def factors(
 
     ``variance_steps`` is ``K`` (the steps the variance stands for, see
     :meth:`~hf_zeroone.optim.CompressedAdamBase.variance_steps`), ``samples`` is ``n``. One vectorised
-    computation for all tensors.
+    computation for all tensors (their ``G`` are one vector, see :mod:`._scalar_vectors`).
     """
     out: list[Tensor | None] = [None] * len(states)
     have = [i for i, st in enumerate(states) if _G in st]
@@ -100,7 +101,7 @@ def factors(
     ratio = _correction(beta2, variance_steps, bias_correction) / _correction(
         beta2, variance_steps + samples, bias_correction
     )
-    for i, value in zip(have, (torch.stack([states[i][_G] for i in have]) * ratio).unbind()):
+    for i, value in zip(have, (as_vector([states[i] for i in have], _G) * ratio).unbind()):
         out[i] = value
     return out
 
@@ -291,20 +292,20 @@ class GradientScale:
                 if not params:
                     continue
                 q = local_samples(group, params, [v for p, v in zip(params, values) if _G in state_of(p)])
-                states, samples_now = [state_of(p) for p in params], list(q.to(torch.float32).unbind())
-                held = [i for i, st in enumerate(states) if _P in st]
-                if held:
-                    torch._foreach_add_([states[i][_P] for i in held], [samples_now[i] for i in held])
-                fresh = [i for i, st in enumerate(states) if _P not in st]  # the first local step since a sync
-                if fresh:  # 0 + q, as new tensors of their own in one call (q * 1 is q, bit for bit)
-                    for i, t in zip(fresh, torch._foreach_mul([samples_now[i] for i in fresh], 1.0)):
-                        states[i][_P] = t
+                states, q = [state_of(p) for p in params], q.to(torch.float32)
+                if not any(_P in st for st in states):  # the first local step since a sync: q itself
+                    adopt(states, _P, q.clone())
+                    continue
+                if not all(_P in st for st in states):
+                    zero = torch.zeros((), dtype=torch.float32, device=q.device)
+                    adopt(states, _P, torch.stack([st.get(_P, zero) for st in states]))
+                as_vector(states, _P).add_(q)
                 continue
             taken = [(p, v, *samples[p]) for p, v in zip(params, values) if p in samples and _G in state_of(p)]
             if not taken:
                 continue
             device = taken[0][0].device
-            q = torch.stack([m.to(device=device, dtype=torch.float32) for _, _, m, _ in taken])
+            q = joined([m for _, _, m, _ in taken]).to(device=device, dtype=torch.float32)
             kept = [self._kept(p, v, handed, kept_fractions) for p, v, _, handed in taken]
             if any(k is not None for k in kept):
                 ones = torch.ones((), dtype=torch.float32, device=device)
@@ -332,7 +333,7 @@ class GradientScale:
                 st.pop(_P, None)
             keep = [i for i, st in enumerate(states) if _G in st]
             if steps and keep:
-                q = torch.stack([sums[i].to(torch.float32) for i in keep]) / steps
+                q = joined([sums[i] for i in keep]).to(torch.float32) / steps
                 self._update(group, [states[i] for i in keep], q, schedule, steps=steps)
         schedule["scale_pending_steps"] = 0
 
@@ -349,9 +350,9 @@ class GradientScale:
         unless every tensor of ``states`` has it (one rank, the option off, or no such step yet).
         """
         noise = schedule.get("noise_samples", 0)
-        if not noise or not all(_R in st for st in states):
+        if not noise or not states or not all(_R in st for st in states):
             return None
-        return torch.stack([st[_R] for st in states]) / (1.0 - beta2**noise)
+        return as_vector(states, _R) / (1.0 - beta2**noise)
 
     @staticmethod
     def _update(
@@ -364,9 +365,9 @@ class GradientScale:
             q = q / rho.to(q.device)
         q = q / _correction(beta2, schedule["variance_steps"], group["bias_correction"])
         decay = beta2**steps
-        current = [st[_G] for st in states]
-        mul_scalar_(current, decay)  # float32 0-dim values: one 0-dim operand for all, the same bits
-        torch._foreach_add_(current, list(q.unbind()), alpha=1.0 - decay)
+        current = as_vector(states, _G)  # every tensor's G, as one vector (see ._scalar_vectors)
+        mul_scalar_([current], decay)
+        current.add_(q, alpha=1.0 - decay)
 
     @staticmethod
     def _restart(groups, state_of, schedule, samples, averaged, gap=1) -> None:  # noqa: ANN001
@@ -377,13 +378,10 @@ class GradientScale:
         for group, params, _ in groups:
             beta2 = group["betas"][1]
             states = [state_of(p) for p in params]
-            held = [st[_G] for st in states if _G in st]
-            if held:  # back to 1 in place: two multi-tensor calls, not a new tensor per parameter
-                torch._foreach_zero_(held)
-                torch._foreach_add_(held, 1.0)
-            for p, st in zip(params, states):
-                if _G not in st:
-                    st[_G] = torch.ones((), dtype=torch.float32, device=p.device)
+            if states and all(_G in st for st in states):  # back to 1 in place
+                as_vector(states, _G).fill_(1.0)
+            elif states:
+                adopt(states, _G, torch.ones(len(states), dtype=torch.float32, device=params[0].device))
             both = [(p, st) for p, st in zip(params, states) if p in samples and p in averaged]
             if both:  # rho <- decay rho + (1 - decay) local / averaged, as one vector for all tensors
                 device = both[0][0].device
@@ -398,8 +396,7 @@ class GradientScale:
                 zero = torch.zeros((), dtype=torch.float32, device=device)
                 r = torch.stack([st.get(_R, zero) for _, st in both])
                 decay = beta2**gap
-                for (_, st), value in zip(both, (r * decay + ratio.to(torch.float32) * (1.0 - decay)).unbind()):
-                    st[_R] = value
+                adopt([st for _, st in both], _R, r * decay + ratio.to(torch.float32) * (1.0 - decay))
                 measured = True
         if measured:
             schedule["noise_samples"] = noise + gap

@@ -1,0 +1,103 @@
+"""The per-parameter scalars of follow_gradient_scale as views of one vector (optim/_scalar_vectors.py)."""
+
+import io
+
+import pytest
+import torch
+
+from hf_zeroone import OneBitAdam, ZeroOneAdam
+from hf_zeroone.optim._scalar_vectors import adopt, as_vector, joined
+
+SCALE_KEYS = ("grad_scale", "noise_excess", "scale_pending")
+
+
+def test_entries_become_views_of_one_vector_and_follow_its_writes():
+    states = [{"g": torch.tensor(float(i))} for i in range(5)]
+    vector = as_vector(states, "g")
+    assert torch.equal(vector, torch.arange(5.0))
+    vector.mul_(2.0)
+    assert [st["g"].item() for st in states] == [0.0, 2.0, 4.0, 6.0, 8.0]
+    again = as_vector(states, "g")
+    assert again.data_ptr() == vector.data_ptr()  # no copy the second time
+    again.add_(1.0)
+    assert [st["g"].item() for st in states] == [1.0, 3.0, 5.0, 7.0, 9.0]
+
+
+def test_a_replaced_entry_is_noticed_and_the_vector_rebuilt():
+    states = [{"g": torch.tensor(float(i))} for i in range(4)]
+    vector = as_vector(states, "g")
+    states[2]["g"] = torch.tensor(50.0)  # as a loaded checkpoint or a user would
+    rebuilt = as_vector(states, "g")
+    assert rebuilt.data_ptr() != vector.data_ptr()
+    assert rebuilt.tolist() == [0.0, 1.0, 50.0, 3.0]
+    rebuilt.zero_()
+    assert all(st["g"].item() == 0.0 for st in states)
+
+
+@pytest.mark.parametrize("order", [[1, 0, 2, 3], [0, 1, 2], [1, 2, 3]])
+def test_views_in_another_order_or_a_part_join_to_the_right_values(order):
+    elements = torch.tensor([10.0, 11.0, 12.0, 13.0]).unbind()
+    picked = [elements[i] for i in order]
+    out = joined(picked)
+    assert out.tolist() == [10.0 + i for i in order]
+    consecutive = order == list(range(order[0], order[0] + len(order)))
+    assert (out._base is not None) == consecutive  # a view only where it is one
+
+
+def test_adopt_makes_the_given_values_the_entries():
+    states = [{}, {}, {}]
+    values = torch.tensor([1.0, 2.0, 3.0])
+    adopt(states, "g", values)
+    values.mul_(10.0)
+    assert [st["g"].item() for st in states] == [10.0, 20.0, 30.0]
+    assert all(st["g"].dim() == 0 for st in states)
+
+
+def _train(opt, params, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * (1.0 + 0.1 * p.numel() ** 0.5)
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "cls, kw, stop",
+    [
+        (OneBitAdam, dict(freeze_step=3), 7),
+        # stopped between syncs: the pending local samples are in the checkpoint
+        (ZeroOneAdam, dict(var_freeze_step=4, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4), 9),
+    ],
+)
+def test_a_checkpoint_saves_0_dim_float32_scalars_and_resumes_bit_identically(cls, kw, stop):
+    torch.manual_seed(0)
+    shapes = [(4, 3), (3,), (5,), (2, 2)]
+    init = [torch.randn(s) for s in shapes]
+
+    def fresh():
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        return params, cls(params, lr=1e-2, **kw)
+
+    params, opt = fresh()
+    _train(opt, params, stop, seed=1)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    at_stop = [p.detach().clone() for p in params]
+    saved = [st[k] for st in opt.state_dict()["state"].values() for k in SCALE_KEYS if k in st]
+    assert saved and all(t.dim() == 0 and t.dtype == torch.float32 for t in saved)
+    if cls is ZeroOneAdam:
+        assert any("scale_pending" in st for st in opt.state_dict()["state"].values())
+    _train(opt, params, 6, seed=2)  # uninterrupted
+
+    resumed_params, resumed = fresh()
+    with torch.no_grad():
+        for p, q in zip(resumed_params, at_stop):
+            p.copy_(q)
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    _train(resumed, resumed_params, 6, seed=2)
+    for p, q in zip(resumed_params, params):
+        assert torch.equal(p, q)
+        for key in SCALE_KEYS:
+            if key in opt.state[q]:
+                assert torch.equal(resumed.state[p][key], opt.state[q][key])

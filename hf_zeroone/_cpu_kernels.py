@@ -57,6 +57,7 @@ __all__ = [
     "add_masked_",
     "apply_sync_",
     "all_finite",
+    "scaled_difference",
     "scaled_difference_",
     "clip_to_bounds",
     "compression_error_",
@@ -331,6 +332,16 @@ def scaled_difference_(
     outs = list(outs)
     lib = _ready(outs)
     return lib is not None and lib.scaled_difference(outs, list(a), list(b), [float(f) for f in factors], _limit())
+
+
+def scaled_difference(a: Sequence[Tensor], b: Sequence[Tensor], factors: Sequence[float]) -> list[Tensor] | None:
+    """``a * factor - b`` per pair, as new contiguous tensors shaped like ``a``.
+
+    ``None`` (nothing allocated) where the kernels do not take the lists.
+    """
+    a = list(a)
+    lib = _ready(a)
+    return None if lib is None else lib.scaled_difference_new(a, list(b), [float(f) for f in factors], _limit())
 
 
 def update_unit_messages_(

@@ -69,13 +69,14 @@ def agrees_with_torch() -> bool:
             torch._foreach_addcdiv_(want_p, want_m, want_plain, value=-3e-3)
             ok &= all(map(same, ps, want_p)) and all(map(same, ms, want_m))
         factors = [0.999, 1.0, 1e-30, 0.5]  # 1e-30: products that underflow, to zeros of both signs
+        fresh = K.scaled_difference(want_plain, grads, factors)
         out = [g.clone() for g in grads]
         K.scaled_difference_(out, want_plain, out, factors)
         want = [g.clone() for g in grads]
         copies = [d.clone() for d in want_plain]
         torch._foreach_mul_(copies, factors)
         torch._foreach_sub_(copies, want)
-        ok &= all(map(same, out, copies))
+        ok &= all(map(same, out, copies)) and all(map(same, fresh, copies))
         ok &= _sync_agrees(grads, want_plain, factors)
         ok &= _messages_agree(grads, want_plain, want_scaled, bound, scales)
         ok &= _compression_agrees(gen)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 import torch
 from torch import Tensor
@@ -238,3 +240,24 @@ def layout_order(t: Tensor, like: Tensor) -> Tensor:
     out = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
     layout_view(out, 0, like).copy_(t)
     return out
+
+
+_base_of = operator.attrgetter("_base")
+
+
+def joined(elements: Sequence[Tensor]) -> Tensor:
+    """0-dim tensors as one vector, in order: a view when they are consecutive elements of one, else a stack.
+
+    ``unbind`` of a vector makes such elements (a state vector's entries, the per-tensor values a
+    collective's result carries); joining them back then costs no copy. A view shares their memory:
+    writing to it writes them.
+    """
+    base = elements[0]._base if elements else None
+    if base is not None and base.dim() == 1 and base.stride(0) == 1:
+        start, n = elements[0].storage_offset(), len(elements)
+        # map() over C methods: about 30 us for 400 elements, a third of a Python loop's time
+        if list(map(Tensor.storage_offset, elements)) == list(range(start, start + n)) and all(
+            map(operator.is_, map(_base_of, elements), repeat(base, n))
+        ):
+            return base.narrow(0, start - base.storage_offset(), n)
+    return torch.stack(list(elements))

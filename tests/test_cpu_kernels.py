@@ -175,13 +175,15 @@ def test_the_sync_arithmetic_is_torchs_bits_also_for_products_that_underflow(ker
     synced, moms, params = [d * 3.0 for d in dens], [t.clone() for t in tiny], [torch.empty_like(t) for t in tiny]
     start = [s.clone() for s in synced]
     counting = _counting(monkeypatch)
+    fresh = _cpu_kernels.scaled_difference(outs, dens, factors)  # into new tensors
     assert _cpu_kernels.scaled_difference_(outs, outs, dens, factors)  # outs aliasing a
     assert _cpu_kernels.apply_sync_(params, synced, tiny, moms, dens, factors[::-1], factors, moved)
-    assert counting.taken == {"scaled_difference": 1, "apply_sync": 1}
+    assert counting.taken == {"scaled_difference_new": 1, "scaled_difference": 1, "apply_sync": 1}
     want = [t.clone() for t in tiny]
     torch._foreach_mul_(want, factors)
     torch._foreach_sub_(want, dens)
-    assert all(map(_same, outs, want))
+    assert all(map(_same, outs, want)) and all(map(_same, fresh, want))
+    assert all(f.shape == t.shape and f.data_ptr() != t.data_ptr() for f, t in zip(fresh, tiny))
     want_p = [s.clone() for s in start]
     torch._foreach_mul_(want_p, factors[::-1])
     torch._foreach_sub_(want_p, tiny)
@@ -201,6 +203,9 @@ def test_what_the_kernels_do_not_take_goes_to_torch(kernels):  # noqa: ANN001
     d = torch.rand(8, 8) + 0.1
     assert _cpu_kernels.clip_to_bounds([g.t()], [d], 3.0) is None  # not contiguous
     assert _cpu_kernels.clip_to_bounds([g.double()], [d.double()], 3.0) is None  # not float32
+    assert _cpu_kernels.scaled_difference([g], [d.t()], [0.5]) is None  # not contiguous: nothing allocated
+    assert _cpu_kernels.scaled_difference([g], [d[:4]], [0.5]) is None  # another element count
+    assert _cpu_kernels.scaled_difference([g, g], [d, d], [0.5]) is None  # a factor short
     assert _cpu_kernels.all_finite([]) is None
     assert _cpu_kernels.all_finite([torch.ones(3).to_sparse()]) is None
     with torch.inference_mode():
@@ -255,8 +260,8 @@ def test_a_run_is_the_same_run_with_the_kernels_and_without(kernels, monkeypatch
     counting = _counting(monkeypatch)
     fused = _phases(cls, 24, monkeypatch, on=True)
     used = {"all_finite", "adam_update", "clip_to_bounds", "split_denominators", "masked_ratio_norms"}
-    if cls is ZeroOneAdam:
-        used |= {"scaled_difference", "apply_sync"}
+    if cls is ZeroOneAdam:  # one process: the sync's displacements into tensors the kernel allocates
+        used |= {"scaled_difference_new", "apply_sync"}
     assert set(counting.taken) >= used, counting.taken  # each kernel of these phases ran
     plain = _phases(cls, 24, monkeypatch, on=False)
     assert fused[2] == plain[2]

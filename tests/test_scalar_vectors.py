@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hf_zeroone import OneBitAdam, ZeroOneAdam
-from hf_zeroone.optim._scalar_vectors import adopt, as_vector, joined
+from hf_zeroone._tensors import joined
+from hf_zeroone.optim._scalar_vectors import adopt, as_vector
 
 SCALE_KEYS = ("grad_scale", "noise_excess", "scale_pending")
 

@@ -5,6 +5,7 @@ import torch
 
 from hf_zeroone import OneBitAdam, ZeroOneAdam
 from hf_zeroone.optim import _functional as F
+from hf_zeroone.optim import _variance_views
 from hf_zeroone.optim._grad_scale import sample_statistics
 from hf_zeroone.optim._memory import state_bytes
 from hf_zeroone.optim._variance_views import VarianceViews
@@ -51,15 +52,24 @@ def test_statistics_follow_v_and_the_host_reads_them_only_when_a_step_settles():
     _, stats = views.statistics(params, vs, 1.0, 1e-8)
     assert stats.counts.tolist() == [64.0, 32.0] and stats.idle is None  # rebuilt: every tensor masked again
     views.release(params[:1])
-    assert [t.numel() for t in views.held()] == [32] + [1] * 6  # the second tensor's d; 3 floats per tensor
+    # the second tensor's d; 3 floats per tensor; the list's means and counts, one float per tensor each
+    assert [t.numel() for t in views.held()] == [32] + [1] * 6 + [2, 2]
     views.release()
-    held = views.held()  # a mean, a count and a flag per tensor, nothing full-size
-    assert len(held) == 3 * len(params) and all(t.dim() == 0 for t in held)
+    held = views.held()  # nothing full-size
+    assert sum(t.numel() for t in held) == 5 * len(params) and all(t.dim() <= 1 for t in held)
+    stats = views.statistics(params, vs, 1.0, 1e-8)[1]
+    assert views.statistics(params, vs, 1.0, 1e-8)[1] is stats  # a whole list's statistics: remembered
+    assert views.statistics(params, vs, 0.5, 1e-8)[1] is not stats  # another c2
+    assert views.statistics(params, vs, 1.0, 1e-8, idle_eps=1e-8)[1] is not stats  # another idle rule
+    vs[1].mul_(2.0)  # written in place: its version moved
+    again = views.statistics(params, vs, 1.0, 1e-8)[1]
+    assert again is not stats and torch.equal(again.means, sample_statistics(_fresh(vs, 1.0, 1e-8))[0])
 
 
 def _train(cls, kwargs, cached: bool, monkeypatch):
     if not cached:  # every value computed afresh on every use, as before the views existed
         monkeypatch.setattr(VarianceViews, "_valid", staticmethod(lambda table, p, key: None))
+        monkeypatch.setattr(_variance_views, "_versions", lambda ts: None)  # no list remembered either
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
     opt = cls(model.parameters(), lr=1e-2, **kwargs)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from hf_zeroone.optim import _functional as F
-from hf_zeroone.optim import _masks
+from hf_zeroone.optim import _local_phase, _masks
 from hf_zeroone.optim._flat import consecutive_views, split_in_buckets
 from hf_zeroone.optim._functional import by_group
 from hf_zeroone.optim._step_kind import StepKind
@@ -81,9 +81,8 @@ def _single_process(opt: Any, kind: StepKind, pairs: list[tuple[dict[str, Any], 
     results: list[Update] = []
     for group, params, grads in by_group([(g, p, p.grad) for g, p in pairs if p.grad is not None]):
         states = [opt.state[p] for p in params]
-        if kind is StepKind.ONEBIT_SYNC:
-            values = [torch.empty_like(p, dtype=torch.float32) for p in params]
-            opt.messages.write(kind, params, grads, values, units=False)
+        if kind is StepKind.ONEBIT_SYNC:  # the message without its units: the displacements themselves
+            values = _local_phase.new_displacements(params, states)
         elif kind.compressed:  # ONEBIT_GRADIENT, ONEBIT_MOMENTUM
             for state, g in zip(states, grads):
                 _masks.note_activity(state, g)

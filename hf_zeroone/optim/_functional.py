@@ -36,6 +36,7 @@ from hf_zeroone._tensors import (
     div_scalar,
     div_scalar_,
     float32_norms,
+    joined,
     mul_scalar,
     mul_scalar_,
     per_tensor_operand,
@@ -143,7 +144,7 @@ def denominators(
 
 def root_multipliers(factors: Sequence[Tensor], c2: float) -> Tensor:
     """``sqrt(f / c2)`` of each factor (0-dim float32 tensors), one float32 vector: what scales ``sqrt(v)``."""
-    return torch.stack(list(factors)).div_(c2).sqrt_()  # one computation for all tensors
+    return joined(list(factors)).div(c2).sqrt_()  # one computation for all tensors (no copy of a vector's views)
 
 
 def split_denominators(

@@ -62,9 +62,9 @@ import torch
 from torch import Tensor
 
 from hf_zeroone import _cpu_kernels
-from hf_zeroone._tensors import mul_scalar_, per_tensor_operand, shape_groups, stacks_by_shape
+from hf_zeroone._tensors import joined, mul_scalar_, per_tensor_operand, shape_groups, stacks_by_shape
 from hf_zeroone.optim import _functional as F
-from hf_zeroone.optim._scalar_vectors import adopt, as_vector, joined
+from hf_zeroone.optim._scalar_vectors import adopt, as_vector
 from hf_zeroone.optim._step_kind import StepKind
 
 __all__ = ["GradientScale", "factors", "kept_fraction", "sample_statistics", "scale_samples"]

@@ -24,6 +24,7 @@ __all__ = [
     "discard_interval",
     "displacement",
     "displacements",
+    "new_displacements",
     "note_local_step",
     "per_lr_units",
     "start_local_phase",
@@ -67,6 +68,18 @@ def displacements(params: list[Tensor], states: list[dict[str, Any]], outs: list
     for i, (p, st, out) in enumerate(zip(params, states, outs)):
         if i not in done:
             displacement(p, st, out)
+
+
+def new_displacements(params: list[Tensor], states: list[dict[str, Any]]) -> list[Tensor]:
+    """:func:`displacement` of every parameter, as new float32 tensors (a sync's values in one process)."""
+    if all(p.dtype == torch.float32 and "update_accumulator" not in st for p, st in zip(params, states)):
+        decays = [float(st["decay_prod"]) for st in states]
+        fresh = _cpu_kernels.scaled_difference([st["sync_param"] for st in states], params, decays)
+        if fresh is not None:  # one pass, allocated in C++ (faster than torch.empty_like from Python)
+            return fresh
+    outs = [torch.empty_like(p, dtype=torch.float32) for p in params]
+    displacements(params, states, outs)
+    return outs
 
 
 def _scale_unless_one(tensors: list[Tensor], factors: list[float]) -> None:

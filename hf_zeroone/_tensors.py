@@ -252,8 +252,9 @@ def joined(elements: Sequence[Tensor]) -> Tensor:
     collective's result carries); joining them back then costs no copy. A view shares their memory:
     writing to it writes them.
     """
-    base = elements[0]._base if elements else None
-    if base is not None and base.dim() == 1 and base.stride(0) == 1:
+    first = elements[0] if elements else None
+    base = None if first is None or first.dim() != 0 else first._base
+    if base is not None and base.dim() == 1 and base.stride(0) == 1 and base.dtype == first.dtype:
         start, n = elements[0].storage_offset(), len(elements)
         # map() over C methods: about 30 us for 400 elements, a third of a Python loop's time
         if list(map(Tensor.storage_offset, elements)) == list(range(start, start + n)) and all(

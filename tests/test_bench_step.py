@@ -119,3 +119,13 @@ def test_set_turns_an_option_off_in_every_phase_and_refuses_others(tmp_path):
     assert "every phase with follow_gradient_scale=False, clip_to_variance=False" in proc.stdout
     bad = subprocess.run(base + ["--set", "lr=0.1"], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "give OPTION=True or OPTION=False" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_state_hash_fingerprints_a_run_and_changes_with_it():
+    spec = importlib.util.spec_from_file_location("state_hash", RECIPES / "state_hash.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cls, kwargs = module.RUNS["0/1 Adam"]
+    first = module.fingerprint(cls, kwargs, steps=20)
+    assert module.fingerprint(cls, kwargs, steps=20) == first and len(first) == 16
+    assert module.fingerprint(cls, {**kwargs, "local_step_clipper": 2}, steps=20) != first

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hf_zeroone import OneBitAdam, ZeroOneAdam
-from hf_zeroone._tensors import joined
+from hf_zeroone._tensors import joined, mul_scalar_
+from hf_zeroone.optim._grad_scale import GradientScale
 from hf_zeroone.optim._scalar_vectors import adopt, as_vector
 
 SCALE_KEYS = ("grad_scale", "noise_excess", "scale_pending")
@@ -43,6 +44,35 @@ def test_views_in_another_order_or_a_part_join_to_the_right_values(order):
     assert out.tolist() == [10.0 + i for i in order]
     consecutive = order == list(range(order[0], order[0] + len(order)))
     assert (out._base is not None) == consecutive  # a view only where it is one
+
+
+def test_only_0_dim_elements_of_the_same_dtype_join_as_a_view():
+    base = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    rows = [base[i : i + 1] for i in range(4)]  # 1-element slices, not 0-dim: stacked as they are
+    assert joined(rows).shape == (4, 1)
+    as_ints = base.view(torch.int32).unbind()  # another dtype than their base's
+    out = joined(list(as_ints))
+    assert out.dtype == torch.int32 and torch.equal(out, base.view(torch.int32))
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_the_vector_update_of_g_has_the_bits_of_the_per_tensor_updates(steps):
+    """``G <- beta2^k G + (1 - beta2^k) q`` on one vector: the bits of the per-tensor form it replaced."""
+    gen = torch.Generator().manual_seed(steps)
+    n = 45  # more than a vector register's lanes, and a remainder
+    start = torch.rand(n, generator=gen) * 3.0
+    q = torch.rand(n, generator=gen) * torch.logspace(-6, 6, n)
+    group = {"betas": (0.9, 0.999), "bias_correction": True}
+    schedule = {"variance_steps": 7}
+    states = [{"grad_scale": start[i].clone()} for i in range(n)]
+    GradientScale._update(group, states, q, schedule, steps=steps)
+    per_tensor = [start[i].clone() for i in range(n)]  # as before: one 0-dim tensor each
+    decay, q_scaled = 0.999**steps, q / (1.0 - 0.999**7)
+    mul_scalar_(per_tensor, decay)
+    torch._foreach_add_(per_tensor, list(q_scaled.unbind()), alpha=1.0 - decay)
+    got = torch.stack([st["grad_scale"] for st in states])
+    assert torch.equal(got.view(torch.int32), torch.stack(per_tensor).view(torch.int32))
+    assert not torch.equal(got, start)
 
 
 def test_adopt_makes_the_given_values_the_entries():
@@ -86,6 +116,7 @@ def test_a_checkpoint_saves_0_dim_float32_scalars_and_resumes_bit_identically(cl
     at_stop = [p.detach().clone() for p in params]
     saved = [st[k] for st in opt.state_dict()["state"].values() for k in SCALE_KEYS if k in st]
     assert saved and all(t.dim() == 0 and t.dtype == torch.float32 for t in saved)
+    assert any(st["grad_scale"].item() != 1.0 for st in opt.state.values())  # G has moved since the freeze
     if cls is ZeroOneAdam:
         assert any("scale_pending" in st for st in opt.state_dict()["state"].values())
     _train(opt, params, 6, seed=2)  # uninterrupted

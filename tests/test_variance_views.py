@@ -64,6 +64,11 @@ def test_statistics_follow_v_and_the_host_reads_them_only_when_a_step_settles():
     vs[1].mul_(2.0)  # written in place: its version moved
     again = views.statistics(params, vs, 1.0, 1e-8)[1]
     assert again is not stats and torch.equal(again.means, sample_statistics(_fresh(vs, 1.0, 1e-8))[0])
+    replaced = [vs[0], vs[1].clone().mul_(3.0)]  # a new tensor in its place (its own version counter)
+    fresh = views.statistics(params, replaced, 1.0, 1e-8)[1]
+    assert torch.equal(fresh.means, sample_statistics(_fresh(replaced, 1.0, 1e-8))[0])
+    other = [params[0], torch.zeros(32)]  # the same first parameter and length, another second
+    assert views.statistics(other, replaced, 1.0, 1e-8)[1] is not fresh
 
 
 def _train(cls, kwargs, cached: bool, monkeypatch):

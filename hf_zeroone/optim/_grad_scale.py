@@ -380,8 +380,11 @@ class GradientScale:
             states = [state_of(p) for p in params]
             if states and all(_G in st for st in states):  # back to 1 in place
                 as_vector(states, _G).fill_(1.0)
-            elif states:
+            elif len({p.device for p in params}) == 1:
                 adopt(states, _G, torch.ones(len(states), dtype=torch.float32, device=params[0].device))
+            else:  # a group over several devices: each G on its parameter's (not one vector)
+                for p, st in zip(params, states):
+                    st[_G] = torch.ones((), dtype=torch.float32, device=p.device)
             both = [(p, st) for p, st in zip(params, states) if p in samples and p in averaged]
             if both:  # rho <- decay rho + (1 - decay) local / averaged, as one vector for all tensors
                 device = both[0][0].device

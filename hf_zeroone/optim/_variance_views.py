@@ -127,10 +127,8 @@ class VarianceViews:
         ``idle_eps``: elements whose ``d`` is not above it are idle (0: only the rule of the mean).
         """
         dens = self.denominators(params, exp_avg_sqs, c2, eps)
-        if not params:
-            return dens, self._statistics(params, exp_avg_sqs, c2, eps, idle_eps, dens)
-        slot, versions = (id(params[0]), len(params), idle_eps), _versions(exp_avg_sqs)
-        known = self._lists.get(slot)
+        slot, versions = (id(params[0]) if params else 0, len(params), idle_eps), _versions(exp_avg_sqs)
+        known = self._lists.pop(slot, None)  # put back only while it stands: nothing stale is kept alive
         if (
             known is not None
             and versions is not None
@@ -139,6 +137,7 @@ class VarianceViews:
             and _same(known[0], params)
             and _same(known[1], exp_avg_sqs)
         ):
+            self._lists[slot] = known
             return dens, known[5]
         stats = self._statistics(params, exp_avg_sqs, c2, eps, idle_eps, dens)
         if versions is not None:

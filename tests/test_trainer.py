@@ -286,6 +286,22 @@ def test_bad_training_arguments(tmp_path, kw, match):
         ZeroOneTrainingArguments(output_dir=str(tmp_path), **kw)
 
 
+def test_compression_settings_beside_plain_adamw_are_named_as_having_no_effect(tmp_path):
+    import warnings
+
+    from hf_zeroone import ZeroOneTrainingArguments
+
+    unused = r"freeze_step, check_replicas_every have no effect: optim_compression='adamw_torch'"
+    with pytest.warns(UserWarning, match=unused):
+        ZeroOneTrainingArguments(
+            output_dir=str(tmp_path), optim_compression="adamw_torch", freeze_step=10, check_replicas_every=5
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ZeroOneTrainingArguments(output_dir=str(tmp_path), optim_compression="adamw_torch")
+    assert not [w for w in caught if "no effect" in str(w.message)]
+
+
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
 def test_an_optim_naming_torchs_adamw_is_what_the_compressed_optimizer_stands_in_for(tmp_path, optim):
     from hf_zeroone import ZeroOneTrainingArguments

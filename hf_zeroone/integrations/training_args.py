@@ -36,6 +36,8 @@ _OWN_SCHEDULE_FIELDS = {
     ),
 }  # fmt: skip
 _SCHEDULE_FIELDS = tuple(name for names in _OWN_SCHEDULE_FIELDS.values() for name in names)
+#: the fields that only the optimizers built from these arguments read (none with optim_compression='adamw_torch')
+_COMPRESSED_ONLY = (*_SCHEDULE_FIELDS, "exact_step_dtype", "onebit_bias_correction", "check_replicas_every")
 
 
 def schedule_fields(optim_compression: str) -> tuple[str, ...]:
@@ -196,9 +198,19 @@ class ZeroOneArgumentsMixin:
 
     def _check_compression_settings(self) -> None:
         """Refuse now what would be ignored or refused later, at ``train()``, after the model and data are set up."""
-        if self.optim_compression == "adamw_torch":
-            return
         defaults = {f.name: f.default for f in fields(self)}
+        if self.optim_compression == "adamw_torch":
+            # a warning, not an error: a comparison (recipes/compare.py) gives every optimizer the same flags
+            unused = [n for n in _COMPRESSED_ONLY if getattr(self, n) != defaults[n]]
+            if unused:
+                warnings.warn(
+                    f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: "
+                    "optim_compression='adamw_torch' trains with torch's AdamW, without compression. Set "
+                    "optim_compression='onebit_adam' or 'zeroone_adam' for a compressed optimizer, or drop them.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return
         optim = str(getattr(self.optim, "value", self.optim))
         if optim not in _PLAIN_ADAMW | {str(getattr(defaults["optim"], "value", defaults["optim"]))}:
             raise ValueError(

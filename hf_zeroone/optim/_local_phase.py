@@ -209,8 +209,11 @@ def sync(opt: Any, synced: list[tuple[dict[str, Any], Tensor, Tensor]], step: in
     the last sync on every rank instead, with a warning.
     """
     pooled, opt.messages.pending_means = opt.messages.pending_means, {}
-    if not opt.comm.is_distributed:  # one process: its own sums are the mean
-        pooled = {p: opt.gradient_scale.pending(opt.state[p], p) for _, p, _ in synced}
+    items = []  # (group, param, the interval's summed local samples, averaged over ranks)
+    if opt.follow_gradient_scale and opt.comm.is_distributed:  # the means from the sync's exact lane
+        items = [item for item in ((g, p, pooled.get(p)) for g, p, _ in synced) if item[2] is not None]
+    elif opt.follow_gradient_scale:  # one process: its own sums are the mean
+        items = [(g, p, opt.gradient_scale.pending(opt.state[p], p)) for g, p, _ in synced]
     if all_finite(v for _, _, v in synced):
         for group, params, values in by_group(synced):
             states = [opt.state[p] for p in params]
@@ -218,7 +221,6 @@ def sync(opt: Any, synced: list[tuple[dict[str, Any], Tensor, Tensor]], step: in
             dens = opt._denominators(group, params, StepKind.ONEBIT_SYNC, c2)
             apply_sync(params, states, values, c1, dens)
         if opt.follow_gradient_scale:  # the interval's gradient scale, pooled over ranks: the same G everywhere
-            items = [(g, p, pooled[p]) for g, p, _ in synced if p in pooled]
             opt.gradient_scale.fold_pending(by_group(items), lambda p: opt.state[p], opt.schedule)
         return
     # The combined u is identical on every rank, so every rank takes this branch.

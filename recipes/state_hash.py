@@ -1,9 +1,11 @@
 """A fingerprint of both optimizers' arithmetic: did a change move a bit of what they compute?
 
-Runs short one-process trainings of 1-bit Adam and 0/1 Adam through every phase of their
-schedules (exact steps, 1-bit steps, 0/1 Adam's variance updates, local steps and syncs, with and
-without ``clip_to_variance``) on fixed gradients, and prints one hash per run of the parameters and
-of every tensor of the optimizer's state. A change meant to leave the results alone (a faster
+Runs short one-process trainings of 1-bit Adam and 0/1 Adam on the small BERT of
+``recipes/bench_step.py``, through every phase of their schedules (exact steps, 1-bit steps, 0/1
+Adam's variance updates, local steps and syncs, with and without ``clip_to_variance``), on fixed
+random gradients that leave half of the word embedding's rows out for the first half of the run
+(masked rows, then released), and prints one hash per run of the parameters and of every tensor
+of the optimizer's state. A change meant to leave the results alone (a faster
 kernel, a different bookkeeping) prints the same hashes before and after::
 
     python recipes/state_hash.py            # on the change
@@ -16,10 +18,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
+from pathlib import Path
 
 import torch
 
 from hf_zeroone import OneBitAdam, ZeroOneAdam
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # recipes/ is not a package
+from bench_step import build_model  # noqa: E402 - a small BERT: embeddings with masked rows, many shapes
 
 #: name -> (optimizer class, keywords): every phase within ``--steps`` steps
 RUNS = {
@@ -41,21 +48,16 @@ RUNS = {
 }
 
 
-def build_model(layers: int = 4, width: int = 16) -> torch.nn.Module:
-    """A small stack of linear layers and layer norms (tensors of several shapes)."""
-    blocks = [m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.LayerNorm(width))]
-    return torch.nn.Sequential(*blocks)
-
-
 def fingerprint(cls: type, kwargs: dict, steps: int = 40, seed: int = 0) -> str:
     """The hash of the parameters and the optimizer's state after ``steps`` steps of shrinking random gradients."""
-    torch.manual_seed(seed)
-    params = list(build_model().parameters())
+    params = list(build_model(4, 16).parameters())  # seeded inside
     opt = cls(params, lr=1e-2, **kwargs)
     gen = torch.Generator().manual_seed(seed + 1)
     for step in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen) * (0.97**step)
+            if p.dim() == 2 and p.shape[0] >= 512 and step < steps // 2:  # the word embedding: unseen tokens
+                p.grad[p.shape[0] // 2 :] = 0.0
         opt.step()
     digest = hashlib.sha256()
     for p in params:

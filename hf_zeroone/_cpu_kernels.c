@@ -114,6 +114,27 @@ void hz_masked_ratios(int64_t n, float **grads, float **dens, float **out, const
     }
 }
 
+/* The 2-norm of x[0..n) in the order torch's CPU kernel reduces float32 (torch.linalg.vector_norm of a
+ * contiguous tensor, found on torch 2.13's CPU builds): eight lanes each summing the squares of every
+ * eighth element (product, then sum: two roundings), the lanes folded left to right, then the
+ * remainder of fewer than eight elements into that sum, by fours as product and sum, the last ones
+ * fused (fmaf), then the square root. A single element's norm is its magnitude, as torch takes it
+ * (no square to underflow or overflow). Another torch build may order it otherwise: _cpu_kernels.py
+ * uses this only after checking it against torch's norm in the running process. */
+float hz_norm2(const float *x, int64_t n) {
+    if (n == 1) return fabsf(x[0]);
+    float lane[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] = lane[j] + x[i + j] * x[i + j];
+    float sum = lane[0];
+    for (int j = 1; j < 8; j++) sum = sum + lane[j];
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) sum = sum + x[i + j] * x[i + j];
+    for (; i < n; i++) sum = fmaf(x[i], x[i], sum);
+    return sqrtf(sum);
+}
+
 /* Adam's update of parameters and momentum, as torch's _foreach_lerp_, _foreach_mul_ and
  * _foreach_addcdiv_ make it: m = m + w (g - m) rounded once (torch's lerp for w < 0.5),
  * p = p * decay when has_decay, p = p + (value * m) / d. */

@@ -124,10 +124,11 @@ std::optional<Tensors> clip_to_bounds(const Tensors& grads, const Tensors& dens,
 }
 
 // The 2-norm of each g / d, set to 0 where d < floor in the masked tensors, as torch computes it, without keeping the ratios:
-// each is written into one scratch buffer in turn and reduced there by torch's own norm (the kernel that
-// torch._foreach_norm runs tensor by tensor on the CPU), so the norms are torch's bits.
+// each is written into one scratch buffer in turn and reduced there, by torch's own norm (the kernel that
+// torch._foreach_norm runs tensor by tensor on the CPU) or, with `own_norm`, by hz_norm2 (its order, which the
+// caller has checked against torch's in this process), so the norms are torch's bits.
 std::optional<at::Tensor> masked_ratio_norms(const Tensors& grads, const Tensors& dens, const at::Tensor& floors_,
-                                             const std::vector<bool>& masked, int64_t limit) {
+                                             const std::vector<bool>& masked, bool own_norm, int64_t limit) {
     std::vector<float*> g, d;
     std::vector<int64_t> n;
     auto floors = per_tensor(floors_, grads.size());
@@ -143,9 +144,20 @@ std::optional<at::Tensor> masked_ratio_norms(const Tensors& grads, const Tensors
         const float f = floors[t];
         const uint8_t flag = masked[t] ? 1 : 0;
         hz_masked_ratios(1, &g[t], &d[t], &s, &n[t], &f, &flag);
-        out[t] = at::linalg_vector_norm(scratch.narrow(0, 0, n[t]), 2).item<float>();
+        out[t] = own_norm ? hz_norm2(s, n[t]) : at::linalg_vector_norm(scratch.narrow(0, 0, n[t]), 2).item<float>();
     }
     return norms;
+}
+
+// The 2-norm of each tensor by hz_norm2 (a float32 vector); the caller has checked its order against torch's.
+std::optional<at::Tensor> norms(const Tensors& ts, int64_t limit) {
+    std::vector<float*> p;
+    std::vector<int64_t> n;
+    if (ts.empty() || !walk(ts, limit, p, n)) return std::nullopt;
+    at::Tensor out = at::empty({(int64_t)ts.size()}, ts[0].options());
+    float* o = out.data_ptr<float>();
+    for (size_t t = 0; t < ts.size(); t++) o[t] = hz_norm2(p[t], n[t]);
+    return out;
 }
 
 bool adam_update(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs, const Tensors& dens,
@@ -350,6 +362,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("scaled_denominators", &scaled_denominators);
     m.def("clip_to_bounds", &clip_to_bounds);
     m.def("masked_ratio_norms", &masked_ratio_norms);
+    m.def("norms", &norms);
     m.def("adam_update", &adam_update);
     m.def("scaled_difference", &scaled_difference);
     m.def("scaled_difference_new", &scaled_difference_new);

@@ -66,6 +66,7 @@ __all__ = [
     "enabled",
     "from_update_units_",
     "masked_ratio_norms",
+    "norms",
     "pack_signs",
     "plain_denominators_",
     "scaled_denominators_",
@@ -81,6 +82,9 @@ _ENV = "HF_ZEROONE_CPU_KERNELS"
 
 _library: Any = None
 _tried = False
+#: whether the library's own 2-norm (``hz_norm2``) gave torch's bits in this process's check; if not, the norms
+#: of :func:`masked_ratio_norms` come from torch's norm, one call per tensor
+_own_norm = False
 #: the thread that is loading and checking the library, ``None`` outside that (see _library_or_none)
 _loading: threading.Thread | None = None
 _init_lock = threading.RLock()
@@ -208,12 +212,12 @@ def _library_or_none() -> Any:  # noqa: ANN401
     the others wait here (the lock) rather than use a library not yet checked. The loading thread
     itself re-enters (the check calls the kernels).
     """
-    global _library, _tried, _loading
+    global _library, _tried, _loading, _own_norm
     if _tried and _loading is None:
         return _library
     with _init_lock:
         if not _tried:
-            _tried, _loading = True, threading.current_thread()
+            _tried, _loading, _own_norm = True, threading.current_thread(), False
             try:
                 _library = _load()
                 if _library is not None and not _agrees_with_torch():
@@ -225,6 +229,7 @@ def _library_or_none() -> Any:  # noqa: ANN401
                         stacklevel=3,
                     )
                     _library = None
+                _own_norm = _library is not None and _norm_agrees_with_torch()
             finally:
                 _loading = None
         return _library
@@ -292,11 +297,28 @@ def masked_ratio_norms(
     """The 2-norm of each ``g / d``, 0 where ``d < floors[i]`` in the tensors ``masked`` names (float32 vector).
 
     ``torch._foreach_norm``'s bits: each ratio tensor is written into one scratch buffer and reduced
-    there by torch's own norm; the ratios are not kept.
+    there, in torch's order by the library's own loop where the load-time check found it to give
+    torch's bits (:func:`._cpu_kernels_check.norm_agrees_with_torch`), else by torch's norm (a call
+    per tensor, most of this function's time on a model of hundreds of small tensors). The ratios
+    are not kept.
     """
     grads, dens = list(grads), list(dens)
     lib = _ready(grads)
-    return None if lib is None else lib.masked_ratio_norms(grads, dens, floors, [bool(m) for m in masked], _limit())
+    if lib is None:
+        return None
+    return lib.masked_ratio_norms(grads, dens, floors, [bool(m) for m in masked], _own_norm, _limit())
+
+
+def norms(tensors: Sequence[Tensor]) -> Tensor | None:
+    """The 2-norm of each tensor as one float32 vector, ``torch._foreach_norm``'s bits, in one call.
+
+    Only where the load-time check found the library's own norm to give torch's bits
+    (:func:`._cpu_kernels_check.norm_agrees_with_torch`); ``None`` otherwise, and the caller runs
+    torch's norm.
+    """
+    tensors = list(tensors)
+    lib = _ready(tensors)
+    return None if lib is None or not _own_norm else lib.norms(tensors, _limit())
 
 
 def adam_update_(
@@ -450,6 +472,13 @@ def apply_sync_(
         params, list(synced), list(us), list(exp_avgs), list(dens),
         [float(f) for f in decays], [float(c) for c in scales], [bool(m) for m in moved], _limit(),
     )  # fmt: skip
+
+
+def _norm_agrees_with_torch() -> bool:
+    """The library's own 2-norm against torch's (:func:`hf_zeroone._cpu_kernels_check.norm_agrees_with_torch`)."""
+    from hf_zeroone._cpu_kernels_check import norm_agrees_with_torch
+
+    return norm_agrees_with_torch()
 
 
 def _agrees_with_torch() -> bool:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from hf_zeroone import _cpu_kernels as K
 
-__all__ = ["agrees_with_torch", "same"]
+__all__ = ["agrees_with_torch", "norm_agrees_with_torch", "same"]
 
 #: whatever torch's defaults are (``set_default_dtype``, ``set_default_device``): the kernels take CPU float32
 F32 = {"dtype": torch.float32, "device": "cpu"}
@@ -84,6 +84,44 @@ def agrees_with_torch() -> bool:
         ok &= not K.all_finite([torch.tensor([float("nan")], **f32)])
         return bool(ok)
     except Exception:  # noqa: BLE001 - a broken library is not used
+        return False
+
+
+def norm_agrees_with_torch() -> bool:
+    """The library's own 2-norm (``hz_norm2``) against ``torch._foreach_norm``, on every remainder of its order.
+
+    The order of torch's float32 reduction is its build's (vector width, how the compiler treated the
+    remainder loop), not a documented contract: sizes 1 to 80 (every remainder of its eight lanes
+    and fours, with and without full lanes), larger ones below torch's threading grain, values from
+    1e-20 to 1e20 (so sums round at every magnitude) and tensors with the float32 classes
+    (subnormals, squares that overflow, infinities, NaN). A miss leaves torch's norm in use.
+    """
+    try:
+        gen = torch.Generator().manual_seed(1)
+        sizes = [*range(1, 81), 255, 1001, 4103, 20011]
+        scales = torch.logspace(-20, 20, len(sizes), **F32)
+        tensors = [
+            torch.randn(n, generator=gen, **F32) * s
+            for n, s in zip(sizes, scales[torch.randperm(len(sizes), generator=gen)])
+        ]
+        specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-38, 3e38, float("inf"), -1.0, 1.0, float("nan")], **F32)
+        tensors += [specials[k : k + 1] for k in range(10)]  # one element: its magnitude, no square taken
+        tensors += [specials[:k] for k in (5, 6, 8)] + [
+            torch.cat([torch.randn(9, generator=gen, **F32), specials[k : k + 1]]) for k in range(10)
+        ]
+        lib = K._library_or_none()
+        if lib is None or not same(lib.norms(tensors, 0), torch.stack(torch._foreach_norm(tensors))):
+            return False
+        grads = [t.reshape(-1, 4) for t in tensors if t.numel() % 4 == 0]  # 2-D: the torch form's shapes
+        dens = [torch.rand(g.shape, generator=gen, **F32) + 0.5 for g in grads]
+        floors = torch.full((len(grads),), 0.9, **F32)
+        masked = [i % 2 == 0 for i in range(len(grads))]
+        got = lib.masked_ratio_norms(grads, dens, floors, masked, True, 0)
+        want = [g / d for g, d in zip(grads, dens)]
+        for i in range(0, len(want), 2):
+            want[i].masked_fill_(dens[i] < floors[i], 0.0)
+        return same(got, torch.stack(torch._foreach_norm(want)))
+    except Exception:  # noqa: BLE001 - a library whose norm fails is not used for norms
         return False
 
 

@@ -294,7 +294,10 @@ def segment_scales(x: Tensor, bounds: Sequence[int], counts: Tensor) -> Tensor:
     each segment.
     """
     _check_bounds(x, counts, bounds)
-    norms = torch.stack(torch._foreach_norm(_segments(x, bounds)))
+    segments = _segments(x, bounds)
+    norms = _cpu_kernels.norms(segments)  # on the CPU, one call (the same bits)
+    if norms is None:
+        norms = torch.stack(torch._foreach_norm(segments))
     return torch.where(counts > 0, norms / counts.clamp(min=1).sqrt(), torch.zeros_like(norms))
 
 

@@ -141,6 +141,48 @@ def test_clipping_and_the_scale_samples_are_torchs_bits(kernels, monkeypatch, se
     assert finite == [False, True, False, True]
 
 
+def test_the_librarys_own_norm_is_torchs_on_every_remainder(kernels):  # noqa: ANN001
+    """Where the load-time check took it: torch's norm bits on sizes the check did not try, at every magnitude."""
+    if not _cpu_kernels._own_norm:
+        pytest.skip("this torch build reduces in another order: its own norm is used (checked at load)")
+    gen = torch.Generator().manual_seed(5)
+    sizes = [*range(81, 300), 1024, 4099, 16384, 32767]
+    tensors = [torch.randn(n, generator=gen) * 10.0 ** torch.randint(-12, 12, (1,), generator=gen) for n in sizes]
+    tensors += [torch.cat([torch.randn(40, generator=gen), torch.tensor([s])]) for s in _SPECIALS]
+    tensors += [torch.tensor([s]) for s in [*_SPECIALS, -1.2612e-44, 2e-30, 3e20]]  # one element: its magnitude
+    lib = _cpu_kernels._library_or_none()
+    assert _same(lib.norms(tensors, 0), torch.stack(torch._foreach_norm(tensors)))
+
+
+def test_a_norm_in_another_order_is_not_used_and_the_samples_stay_torchs(kernels, monkeypatch):  # noqa: ANN001
+    """The check finds a library norm that sums in another order; the ratios' norms then come from torch's."""
+    lib = _cpu_kernels._library_or_none()
+
+    class OtherOrder:  # the library, with a norm summed in float64 (the right value, other bits)
+        def __getattr__(self, name: str):  # noqa: ANN204
+            return getattr(lib, name)
+
+        def norms(self, ts, limit):  # noqa: ANN001, ANN202
+            return torch.stack([t.double().square().sum().sqrt().float() for t in ts])
+
+        def masked_ratio_norms(self, grads, dens, floors, masked, own, limit):  # noqa: ANN001, ANN202
+            got = lib.masked_ratio_norms(grads, dens, floors, masked, False, limit)
+            return self.norms([g / d for g, d in zip(grads, dens)], limit) if own else got
+
+    monkeypatch.setattr(_cpu_kernels, "_library", OtherOrder())
+    assert not _cpu_kernels_check.norm_agrees_with_torch()
+    monkeypatch.setattr(_cpu_kernels, "_tried", False)
+    monkeypatch.setattr(_cpu_kernels, "_library", None)
+    monkeypatch.setattr(_cpu_kernels, "_load", lambda: OtherOrder())
+    assert _cpu_kernels.enabled() and not _cpu_kernels._own_norm  # the other kernels stay, its norm does not
+    grads, roots = _lists(3)
+    dens = F.denominators([r * r for r in roots], 0.3, 1e-8)
+    means, counts = torch.ones(len(dens)), torch.full((len(dens),), 7.0)
+    with_library = scale_samples(grads, dens, means, counts, None, 1e-8)
+    _kernels_off(monkeypatch)
+    assert _same(with_library, scale_samples(grads, dens, means, counts, None, 1e-8))
+
+
 @pytest.mark.parametrize(("beta1", "decay"), [(0.9, 1.0), (0.9, 0.999), (0.3, 0.99)])
 def test_the_adam_update_is_torchs_bits_and_counts_as_in_place(kernels, monkeypatch, beta1, decay):  # noqa: ANN001
     grads, roots = _lists(3)

@@ -33,6 +33,26 @@ def test_every_change_of_v_c2_or_eps_recomputes_and_a_frozen_v_is_reused():
         assert all(torch.equal(a, b) for a, b in zip(views.denominators(params, vs, c2, eps), _fresh(vs, c2, eps)))
 
 
+def test_a_whole_list_is_reused_at_once_until_released_and_counts_while_held():
+    """Denominators offered for a whole list come back for it in one check; a release ends that, none held after."""
+    params = [torch.zeros(4), torch.zeros(6), torch.zeros(2)]
+    vs = [torch.rand(4) + 0.1, torch.rand(6) + 0.1, torch.rand(2) + 0.1]
+    views = VarianceViews()
+    offered = _fresh(vs, 0.5, 1e-8)
+    views.offer(params, vs, 0.5, 1e-8, offered)
+    assert all(a is b for a, b in zip(views.denominators(params, vs, 0.5, 1e-8), offered))
+    assert {id(t) for t in offered} <= {id(t) for t in views.held()}
+    assert views.denominators(params[:2], vs[:2], 0.5, 1e-8)[1] is offered[1]  # a part: tensor by tensor
+    views.release([params[0]])  # a bucket's end
+    again = views.denominators(params, vs, 0.5, 1e-8)
+    assert again[0] is not offered[0] and torch.equal(again[0], offered[0]) and again[2] is offered[2]
+    swapped = [params[0], params[2], params[1]]  # same first tensor and length, other members
+    got = views.denominators(swapped, [vs[0], vs[2], vs[1]], 0.5, 1e-8)
+    assert got[1] is offered[2] and got[2] is offered[1]
+    views.release()
+    assert views.held() == []
+
+
 def test_statistics_follow_v_and_the_host_reads_them_only_when_a_step_settles():
     params = [torch.zeros(64), torch.zeros(32)]
     vs = [torch.rand(64) + 0.1, torch.rand(32) + 0.1]

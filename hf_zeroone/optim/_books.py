@@ -7,6 +7,7 @@ with their checks; :class:`~hf_zeroone.optim.CompressedAdamBase` adds the step i
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -277,6 +278,11 @@ class OptimizerBooks(Optimizer):
 
     def grouped(self, params: Sequence[Tensor], values: Sequence[Any]) -> list[tuple[dict[str, Any], list, list]]:
         """``(group, params, values)`` per parameter group of ``params``, in order of first appearance."""
+        params, values = list(params), list(values)
+        if len(self.param_groups) == 1 and params and len(params) == len(values):
+            self.group_of(params[0])  # builds the table
+            if all(map(self._group_of.__contains__, map(id, params))):  # one group's, in the order given
+                return [(self.param_groups[0], params, values)]
         return by_group([(self.group_of(p), p, v) for p, v in zip(params, values)])
 
     @property
@@ -308,11 +314,17 @@ class OptimizerBooks(Optimizer):
         cache = getattr(self, "_step_denominators", None)
         if cache is None or kind is StepKind.EXACT:
             return self._compute_denominators(group, params, kind, c2, keep_plain)
+        whole = cache.get((id(params[0]), len(params), kind, c2)) if params else None
+        if whole is not None and len(whole[0]) == len(params) and all(map(operator.is_, whole[0], params)):
+            return list(whole[1])  # the same list again (the update after the clipping, a sync)
         missing = [p for p in params if (id(p), kind, c2) not in cache]
         if missing:
             fresh = self._compute_denominators(group, missing, kind, c2, keep_plain)
             cache.update(((id(p), kind, c2), d) for p, d in zip(missing, fresh))
-        return [cache[(id(p), kind, c2)] for p in params]
+        dens = [cache[(id(p), kind, c2)] for p in params]
+        if params:
+            cache[(id(params[0]), len(params), kind, c2)] = (list(params), dens)
+        return dens
 
     def _compute_denominators(
         self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float, keep_plain: bool = False

@@ -70,6 +70,9 @@ def by_group(items: Sequence[tuple[dict, Tensor, Any]]) -> list[tuple[dict, list
 
     The functions below take one group's tensors at a time (they share its hyper-parameters).
     """
+    items = list(items)
+    if items and all(item[0] is items[0][0] for item in items):  # the common case: one group
+        return [(items[0][0], [item[1] for item in items], [item[2] for item in items])]
     out: dict[int, tuple[dict, list[Tensor], list[Any]]] = {}
     for group, p, value in items:
         entry = out.setdefault(id(group), (group, [], []))

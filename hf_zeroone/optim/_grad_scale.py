@@ -288,11 +288,14 @@ class GradientScale:
         local = kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
         for group, params, values in groups:
             if local:  # this rank's own gradient, as its local step used it: pooled at the next sync
-                params = [p for p in params if _G in state_of(p)]
+                states = [state_of(p) for p in params]
+                if not all(_G in st for st in states):
+                    chosen = [i for i, st in enumerate(states) if _G in st]
+                    params, values = [params[i] for i in chosen], [values[i] for i in chosen]
+                    states = [states[i] for i in chosen]
                 if not params:
                     continue
-                q = local_samples(group, params, [v for p, v in zip(params, values) if _G in state_of(p)])
-                states, q = [state_of(p) for p in params], q.to(torch.float32)
+                q = local_samples(group, params, values).to(torch.float32)
                 if not any(_P in st for st in states):  # the first local step since a sync: q itself
                     adopt(states, _P, q.clone())
                     continue

@@ -167,9 +167,12 @@ class Messages:
         opt = self.opt
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         out: dict[int, Tensor] = {}
-        for group, ps, gs in opt.grouped(params, grads):
+        groups = opt.grouped(params, grads)
+        for group, ps, gs in groups:
             dens, stats = opt.plain_denominators(group, ps, opt._variance_correction(group))
             values = _grad_scale.scale_samples(gs, dens, stats.means, stats.counts, stats.idle, stats.idle_eps)
+            if len(groups) == 1:  # one group's tensors, in the order asked
+                return values
             out.update(zip(map(id, ps), values.unbind()))
         return torch.stack([out[id(p)] for p in params])
 

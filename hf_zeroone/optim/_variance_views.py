@@ -88,6 +88,9 @@ class VarianceViews:
         #: (params, vs, their versions, c2, eps, statistics). Checked at once (identities and version
         #: counters), a list's statistics cost a few percent of looking each tensor up and stacking.
         self._lists: dict[tuple[int, int, float], tuple] = {}
+        #: the denominators last offered or computed for a whole list, by (id of its first, length):
+        #: (params, vs, their versions, c2, eps, denominators), checked at once as ``_lists`` is; released with them
+        self._dens_lists: dict[tuple[int, int], tuple] = {}
 
     @staticmethod
     def _key(v: Tensor, c2: float, eps: float) -> tuple:
@@ -97,6 +100,15 @@ class VarianceViews:
         self, params: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float
     ) -> list[Tensor]:
         """``sqrt(v / c2) + eps`` of each parameter (float32), reused until ``v`` changes or they are released."""
+        known = self._dens_lists.get((id(params[0]), len(params))) if params else None
+        if (
+            known is not None
+            and known[3:5] == (c2, eps)
+            and _same(known[0], params)
+            and _same(known[1], exp_avg_sqs)
+            and known[2] == _versions(exp_avg_sqs)
+        ):
+            return list(known[5])
         keys = [self._key(v, c2, eps) for v in exp_avg_sqs]
         missing = [i for i, (p, key) in enumerate(zip(params, keys)) if self._valid(self._dens, p, key) is None]
         if missing:
@@ -105,10 +117,23 @@ class VarianceViews:
                 if keys[i][1] is not None:
                     self._dens[id(params[i])] = (keys[i], d)
             if len(missing) == len(params):
+                self._remember_list(params, exp_avg_sqs, c2, eps, fresh)
                 return fresh
             by_index = dict(zip(missing, fresh))
             return [by_index[i] if i in by_index else self._dens[id(p)][1] for i, p in enumerate(params)]
-        return [self._dens[id(p)][1] for p in params]
+        dens = [self._dens[id(p)][1] for p in params]
+        self._remember_list(params, exp_avg_sqs, c2, eps, dens)
+        return dens
+
+    def _remember_list(
+        self, params: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float, dens: Sequence[Tensor]
+    ) -> None:
+        """Keep ``dens`` for the whole list (see ``_dens_lists``), where torch counts versions of every ``v``."""
+        versions = _versions(exp_avg_sqs)
+        if params and versions is not None:
+            self._dens_lists[(id(params[0]), len(params))] = (
+                list(params), list(exp_avg_sqs), versions, c2, eps, list(dens)
+            )  # fmt: skip
 
     def offer(
         self, params: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float, dens: Sequence[Tensor]
@@ -118,6 +143,7 @@ class VarianceViews:
             key = self._key(v, c2, eps)
             if key[1] is not None:
                 self._dens[id(p)] = (key, d)
+        self._remember_list(params, exp_avg_sqs, c2, eps, dens)
 
     def statistics(
         self, params: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], c2: float, eps: float, idle_eps: float = 0.0
@@ -182,10 +208,12 @@ class VarianceViews:
     def held(self) -> list[Tensor]:
         """Every tensor held now (for :func:`._memory.state_bytes`): none full-size between steps."""
         lists = [t for known in self._lists.values() for t in (known[5].means, known[5].counts)]
-        return [d for _, d in self._dens.values()] + [t for e in self._stats.values() for t in e[1:4]] + lists
+        listed = [d for known in self._dens_lists.values() for d in known[5]]
+        return [d for _, d in self._dens.values()] + [t for e in self._stats.values() for t in e[1:4]] + lists + listed
 
     def release(self, params: Sequence[Tensor] | None = None) -> None:
         """Drop the full-size denominators of ``params`` (default: all); the per-tensor statistics stay."""
+        self._dens_lists.clear()  # a list's record would keep the released ones alive
         if params is None:
             self._dens.clear()
             return
@@ -195,6 +223,7 @@ class VarianceViews:
     def clear(self) -> None:
         """Forget everything (a checkpoint was loaded)."""
         self._lists.clear()
+        self._dens_lists.clear()
         self._dens.clear()
         self._stats.clear()
 

@@ -91,28 +91,30 @@ def norm_agrees_with_torch() -> bool:
     """The library's own 2-norm (``hz_norm2``) against ``torch._foreach_norm``, on every remainder of its order.
 
     The order of torch's float32 reduction is its build's (vector width, how the compiler treated the
-    remainder loop), not a documented contract: sizes 1 to 80 (every remainder of its eight lanes
-    and fours, with and without full lanes), larger ones below torch's threading grain, values from
-    1e-20 to 1e20 (so sums round at every magnitude) and tensors with the float32 classes
-    (subnormals, squares that overflow, infinities, NaN). A miss leaves torch's norm in use.
+    remainder loop), not a documented contract. Tried: sizes 0 to 80 (every remainder of its eight
+    lanes and fours, with and without full lanes) and larger ones, two draws each (one at a moderate
+    scale, one from 1e-20 to 1e20, so sums round at every magnitude and squares underflow and
+    overflow), single elements of every float32 class, and the classes (subnormals, the largest,
+    infinities, NaN) in a lane, in the remainder's fours and in its fused tail. Sizes above torch's
+    threading grain only in a process of one thread, where the library takes them (with more
+    threads torch splits those and they stay with torch). A miss leaves torch's norm in use.
     """
     try:
         gen = torch.Generator().manual_seed(1)
-        sizes = [*range(1, 81), 255, 1001, 4103, 20011]
-        scales = torch.logspace(-20, 20, len(sizes), **F32)
-        tensors = [
-            torch.randn(n, generator=gen, **F32) * s
-            for n, s in zip(sizes, scales[torch.randperm(len(sizes), generator=gen)])
-        ]
+        sizes = [*range(81), 255, 1001, 4103, 20011]
+        if torch.get_num_threads() == 1:
+            sizes += [40009, 300007]
+        extremes = torch.logspace(-20, 20, len(sizes), **F32)[torch.randperm(len(sizes), generator=gen)]
+        moderate = 10.0 ** (torch.rand(len(sizes), generator=gen, **F32) * 6 - 3)
+        tensors = [torch.randn(n, generator=gen, **F32) * s for n, s in zip(sizes * 2, [*moderate, *extremes])]
         specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-38, 3e38, float("inf"), -1.0, 1.0, float("nan")], **F32)
         tensors += [specials[k : k + 1] for k in range(10)]  # one element: its magnitude, no square taken
-        tensors += [specials[:k] for k in (5, 6, 8)] + [
-            torch.cat([torch.randn(9, generator=gen, **F32), specials[k : k + 1]]) for k in range(10)
-        ]
+        for before in (0, 9, 12, 13):  # in a lane, the fused tail, the fours, the fused tail after the fours
+            tensors += [torch.cat([torch.randn(before, generator=gen, **F32), specials[k : k + 1]]) for k in range(10)]
         lib = K._library_or_none()
         if lib is None or not same(lib.norms(tensors, 0), torch.stack(torch._foreach_norm(tensors))):
             return False
-        grads = [t.reshape(-1, 4) for t in tensors if t.numel() % 4 == 0]  # 2-D: the torch form's shapes
+        grads = [t.reshape(-1, 4) for t in tensors if t.numel() % 4 == 0 and t.numel()]  # 2-D: the torch form's shapes
         dens = [torch.rand(g.shape, generator=gen, **F32) + 0.5 for g in grads]
         floors = torch.full((len(grads),), 0.9, **F32)
         masked = [i % 2 == 0 for i in range(len(grads))]

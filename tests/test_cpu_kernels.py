@@ -52,6 +52,12 @@ def _lists(seed: int, sizes=(0, 1, 3, 16, 17, 63, 1000, 4099)):  # noqa: ANN001,
     return grads, roots
 
 
+@pytest.fixture(autouse=True)
+def _own_norm_restored(monkeypatch):  # noqa: ANN001, ANN202
+    """Whatever a test's loads set the library's norm flag to, the next test finds it as it was."""
+    monkeypatch.setattr(_cpu_kernels, "_own_norm", _cpu_kernels._own_norm)
+
+
 @pytest.fixture
 def kernels(monkeypatch):  # noqa: ANN001, ANN201
     """The kernels on, whatever the environment says (a fresh load in this process)."""
@@ -126,6 +132,11 @@ def test_clipping_and_the_scale_samples_are_torchs_bits(kernels, monkeypatch, se
     idle = [i % 2 == 0 for i in range(len(dens))]
     clipped = F.clip_to_variance(grads, dens, 0.999)
     samples = [scale_samples(grads, dens, means, counts, mask, 1e-8) for mask in (idle, None)]
+    # finite ratios too: every norm compared (NaN equals NaN in _same)
+    bounded = [g.nan_to_num(0.0, 0.0, 0.0).clamp(-1e3, 1e3) for g in grads]
+    finite_dens = [d.nan_to_num(1.0, 1.0, 1.0) for d in dens]
+    finite_samples = scale_samples(bounded, finite_dens, means, counts, idle, 1e-8)
+    assert torch.isfinite(finite_samples).all()
     checked = (
         grads,
         [torch.tensor([1e-45, -0.0, 3.4e38])],
@@ -137,12 +148,19 @@ def test_clipping_and_the_scale_samples_are_torchs_bits(kernels, monkeypatch, se
     assert all(map(_same, clipped, F.clip_to_variance(grads, dens, 0.999)))
     assert _same(samples[0], scale_samples(grads, dens, means, counts, idle, 1e-8))
     assert _same(samples[1], scale_samples(grads, dens, means, counts, None, 1e-8))
+    assert _same(finite_samples, scale_samples(bounded, finite_dens, means, counts, idle, 1e-8))
     assert finite == [all_finite(ts) for ts in checked]
     assert finite == [False, True, False, True]
 
 
 def test_the_librarys_own_norm_is_torchs_on_every_remainder(kernels):  # noqa: ANN001
-    """Where the load-time check took it: torch's norm bits on sizes the check did not try, at every magnitude."""
+    """Where the load-time check took it: torch's norm bits on sizes the check did not try, at every magnitude.
+
+    On the configuration it was written for (torch 2.13's x86 CPU build) the check must take it: a
+    check that stopped passing there would lose the speed without a word.
+    """
+    known = torch.__version__.startswith("2.13.") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    assert _cpu_kernels._own_norm or not known
     if not _cpu_kernels._own_norm:
         pytest.skip("this torch build reduces in another order: its own norm is used (checked at load)")
     gen = torch.Generator().manual_seed(5)
@@ -175,10 +193,13 @@ def test_a_norm_in_another_order_is_not_used_and_the_samples_stay_torchs(kernels
     monkeypatch.setattr(_cpu_kernels, "_library", None)
     monkeypatch.setattr(_cpu_kernels, "_load", lambda: OtherOrder())
     assert _cpu_kernels.enabled() and not _cpu_kernels._own_norm  # the other kernels stay, its norm does not
-    grads, roots = _lists(3)
-    dens = F.denominators([r * r for r in roots], 0.3, 1e-8)
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=gen) for n in (1, 7, 33, 1000, 4099)]  # finite: every norm compared
+    dens = [torch.rand(g.shape, generator=gen) + 0.1 for g in grads]
     means, counts = torch.ones(len(dens)), torch.full((len(dens),), 7.0)
     with_library = scale_samples(grads, dens, means, counts, None, 1e-8)
+    assert torch.isfinite(with_library).all()
+    assert _cpu_kernels.norms(grads) is None  # the norm in another order is not used
     _kernels_off(monkeypatch)
     assert _same(with_library, scale_samples(grads, dens, means, counts, None, 1e-8))
 
@@ -315,7 +336,7 @@ def test_a_run_is_the_same_run_with_the_kernels_and_without(kernels, monkeypatch
 
 
 def _hook_run(rank: int, world: int, name: str, on: bool, masked: bool = True):  # noqa: ANN202
-    """A 2-rank DDP run of ``name`` with the hook, kernels on or off: parameters, state, kinds, kernels taken.
+    """A 2-rank DDP run of ``name`` with the hook, kernels on or off: parameters, state, kinds, kernels taken, own norm.
 
     0/1 Adam with 1-bit gradient steps between its variance steps (``exact_warmup_steps`` short).
     """
@@ -349,7 +370,7 @@ def _hook_run(rank: int, world: int, name: str, on: bool, masked: bool = True): 
     opt.comm.close()
     params = [p.detach().clone() for p in model.parameters()]
     state = [{k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)} for p in model.parameters()]
-    return params, state, kinds, dict(counting.taken) if on else {}
+    return params, state, kinds, dict(counting.taken) if on else {}, kernels._own_norm
 
 
 @pytest.mark.parametrize("name, masked", [("OneBitAdam", True), ("ZeroOneAdam", True), ("OneBitAdam", False)])
@@ -366,6 +387,8 @@ def test_a_two_rank_hook_run_is_the_same_run_with_the_kernels_and_without(kernel
         used |= {"add_masked"}
     if name == "ZeroOneAdam":
         used |= {"apply_sync"}
+    if fused[0][4]:  # the library's own norm passed its check: the segments' scales and the lanes' norms
+        used |= {"norms"}
     assert set(taken) >= used | {"decompress_sum"}, sorted(taken.items())  # each kernel of the 1-bit path ran
     kinds = set(fused[0][2])
     assert kinds >= ({"onebit_momentum"} if name == "OneBitAdam" else {"onebit_gradient", "local", "onebit_sync"})
@@ -433,6 +456,7 @@ def test_a_library_built_with_other_rounding_is_refused(monkeypatch, tmp_path): 
     # with contraction x * s + eps is one rounding: some x differ (when the CPU has FMA at all)
     monkeypatch.setattr(_cpu_kernels, "_library", lib)
     monkeypatch.setattr(_cpu_kernels, "_tried", True)
+    monkeypatch.setattr(_cpu_kernels, "_own_norm", False)  # not checked for this build
     x = torch.rand(10000, generator=torch.Generator().manual_seed(0))
     roots = [x.clone()]
     _cpu_kernels.scaled_denominators_(roots, scales, 1e-3)

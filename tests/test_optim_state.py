@@ -277,3 +277,46 @@ def test_a_checkpoint_of_another_models_shapes_is_refused_and_nothing_is_loaded(
     p.grad = torch.ones(5, 4)
     opt.step()  # trains on as before
     assert opt.schedule["step"] == 2
+
+
+@pytest.mark.parametrize("two_groups", [False, True])
+def test_after_a_load_the_groups_handed_to_the_messages_are_the_loaded_ones(two_groups):
+    """torch's ``load_state_dict`` puts new dicts in ``param_groups`` (the ones an LR scheduler then writes to).
+
+    The optimizer's table from parameter to group kept the dicts from before the load: a resumed
+    run's messages read hyper-parameters that nothing updated any more.
+    """
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4))
+    groups = [{"params": [a]}, {"params": [b], "eps": 1e-6}] if two_groups else [{"params": [a, b]}]
+    opt = OneBitAdam(groups, freeze_step=2)
+    opt.grouped([a, b], [None, None])  # the table is built before the load
+    saved = opt.state_dict()
+    saved["param_groups"][0]["eps"] = 1e-4
+    opt.load_state_dict(saved)
+    handed = opt.grouped([a, b], [None, None])
+    assert all(any(g is h for h in opt.param_groups) for g, _, _ in handed)
+    assert handed[0][0]["eps"] == 1e-4
+
+
+def test_a_tensor_first_reached_after_the_freeze_takes_no_other_tensors_samples():
+    """A tensor with no gradient before the freeze has no gradient scale yet; one after it in the group has.
+
+    The local step's samples were taken from the tensors that have one, paired with the gradients
+    of the whole group: the first tensor's gradient went with the second's variance (a shape error
+    here; with equal shapes, another tensor's sample). Each now takes its own, as without the other.
+    """
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))
+    alone = torch.nn.Parameter(b.detach().clone())
+    opt, opt_alone = _zeroone([a, b], var_freeze_step=3), _zeroone([alone], var_freeze_step=3)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(9):
+        grad_a, grad_b = torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)
+        a.grad = grad_a if step >= 3 else None  # first reached in the local phase
+        b.grad, alone.grad = grad_b.clone(), grad_b.clone()
+        opt.step()
+        opt_alone.step()
+    assert opt.last_step_kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
+    assert "grad_scale" not in opt.state[a]
+    assert torch.equal(opt.state[b]["grad_scale"], opt_alone.state[alone]["grad_scale"])
+    assert torch.equal(b, alone)

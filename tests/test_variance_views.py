@@ -41,14 +41,16 @@ def test_a_whole_list_is_reused_at_once_until_released_and_counts_while_held():
     offered = _fresh(vs, 0.5, 1e-8)
     views.offer(params, vs, 0.5, 1e-8, offered)
     assert all(a is b for a, b in zip(views.denominators(params, vs, 0.5, 1e-8), offered))
-    assert {id(t) for t in offered} <= {id(t) for t in views.held()}
     assert views.denominators(params[:2], vs[:2], 0.5, 1e-8)[1] is offered[1]  # a part: tensor by tensor
+    views.denominators(params[:2], vs[:2], 0.25, 1e-8)  # new ones for two tensors: the list's record holds the old
+    assert {id(t) for t in offered} <= {id(t) for t in views.held()}
     views.release([params[0]])  # a bucket's end
     again = views.denominators(params, vs, 0.5, 1e-8)
     assert again[0] is not offered[0] and torch.equal(again[0], offered[0]) and again[2] is offered[2]
+    assert torch.equal(again[1], offered[1])  # recomputed for c2 = 0.5 after the 0.25 ones replaced it
     swapped = [params[0], params[2], params[1]]  # same first tensor and length, other members
     got = views.denominators(swapped, [vs[0], vs[2], vs[1]], 0.5, 1e-8)
-    assert got[1] is offered[2] and got[2] is offered[1]
+    assert got[1] is again[2] and got[2] is again[1]  # tensor by tensor, not the list of (params[0], 3)
     views.release()
     assert views.held() == []
 

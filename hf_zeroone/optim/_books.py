@@ -323,7 +323,7 @@ class OptimizerBooks(Optimizer):
             cache.update(((id(p), kind, c2), d) for p, d in zip(missing, fresh))
         dens = [cache[(id(p), kind, c2)] for p in params]
         if params:
-            cache[(id(params[0]), len(params), kind, c2)] = (list(params), dens)
+            cache[(id(params[0]), len(params), kind, c2)] = (list(params), list(dens))
         return dens
 
     def _compute_denominators(
@@ -453,6 +453,7 @@ class OptimizerBooks(Optimizer):
         plain, restore = _checkpoint.split_for_torch(self, deferred if deferred is not None else state_dict)
         super().load_state_dict(plain)
         restore()
+        self._group_of = None  # torch's load puts new dicts in param_groups: the table's are stale
         self.flat_cache.clear()
         self.variance_views.clear()
         self._prepared_step = -1

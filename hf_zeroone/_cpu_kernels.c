@@ -6,8 +6,9 @@
  * CPU kernels also round exactly (division, multiplication, addition, comparison), in torch's
  * order, so the results are torch's bit for bit: the build turns off contraction into fused
  * multiply-adds (-ffp-contract=off), and _cpu_kernels.py checks the bits once per process before
- * it uses a loaded library. Square roots stay in torch (its vectorised sqrt is not always the
- * correctly rounded one a C sqrtf gives). Where torch itself fuses (its lerp is one fused
+ * it uses a loaded library. Square roots of tensors stay in torch (its vectorised sqrt is not
+ * always the correctly rounded one a C sqrtf gives); a norm's one square root is torch's scalar
+ * std::sqrt, correctly rounded as sqrtf is. Where torch itself fuses (its lerp is one fused
  * multiply-add), the loop calls fmaf, which rounds once as the instruction does.
  */
 #include <math.h>
@@ -115,18 +116,24 @@ void hz_masked_ratios(int64_t n, float **grads, float **dens, float **out, const
 }
 
 /* The 2-norm of x[0..n) in the order torch's CPU kernel reduces float32 (torch.linalg.vector_norm of a
- * contiguous tensor, found on torch 2.13's CPU builds): eight lanes each summing the squares of every
+ * contiguous tensor, as found on torch 2.13.0's x86 CPU build): eight lanes each summing the squares of every
  * eighth element (product, then sum: two roundings), the lanes folded left to right, then the
  * remainder of fewer than eight elements into that sum, by fours as product and sum, the last ones
  * fused (fmaf), then the square root. A single element's norm is its magnitude, as torch takes it
  * (no square to underflow or overflow). Another torch build may order it otherwise: _cpu_kernels.py
  * uses this only after checking it against torch's norm in the running process. */
+typedef float hz_lanes8 __attribute__((vector_size(32))); /* eight floats, each rounded on its own */
+
 float hz_norm2(const float *x, int64_t n) {
     if (n == 1) return fabsf(x[0]);
-    float lane[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    hz_lanes8 acc = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, v;
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) lane[j] = lane[j] + x[i + j] * x[i + j];
+    for (; i + 8 <= n; i += 8) { /* one vector register: the loop runs at torch's speed */
+        memcpy(&v, x + i, sizeof v);
+        acc = acc + v * v;
+    }
+    float lane[8];
+    memcpy(lane, &acc, sizeof lane);
     float sum = lane[0];
     for (int j = 1; j < 8; j++) sum = sum + lane[j];
     for (; i + 4 <= n; i += 4)

@@ -4,12 +4,13 @@ On the CPU a compressed step walks the model's tensors many times: torch runs a 
 operation as one operator per tensor, each a pass over its elements, several writing fresh
 tensors. Several of those chains are one loop each in ``_cpu_kernels.c``, over every tensor of a
 list in one call: the denominators of a frozen variance, clipping to the variance, the masked
-ratios of ``follow_gradient_scale``'s samples, the finiteness check, Adam's momentum-and-parameter
+ratios of ``follow_gradient_scale``'s samples and per-tensor 2-norms (in torch's order, where a
+second load-time check finds that order), the finiteness check, Adam's momentum-and-parameter
 update, 0/1 Adam's sync; the 1-bit messages in update units (clipped, as momenta) and the
 combined results out of them (as implied gradients); and the two-stage allreduce's arithmetic
 (sign packing, compression error, decompression, the server's sum, each with the caller's mask).
 They use only operations that torch's CPU kernels round exactly (division, multiplication,
-addition, comparisons; ``fmaf`` where torch fuses), in torch's order and compiled without
+addition, comparisons, a norm's scalar square root; ``fmaf`` where torch fuses), in torch's order and compiled without
 contraction into fused multiply-adds, so each gives the same bits as the torch operations it replaces: a run with
 and without them is the same run, and a rank that cannot build them still agrees bit for bit with
 ranks that can.

@@ -66,7 +66,9 @@ def add_scalar_(tensors: Sequence[Tensor], value: float) -> None:
 def float32_norms(tensors: Sequence[Tensor]) -> Tensor:
     """The 2-norm of each tensor as one float32 vector: ``torch.linalg.vector_norm(t, dtype=torch.float32)`` each.
 
-    The float32 tensors go through one ``torch._foreach_norm`` (on CPU the same kernel tensor by
+    On the CPU, a list of float32 tensors is one call of the fused kernels' norm where its
+    load-time check took it (:func:`hf_zeroone._cpu_kernels.norms`, the same bits). Otherwise the
+    float32 tensors go through one ``torch._foreach_norm`` (on CPU the same kernel tensor by
     tensor, so the same bits; on a GPU a few kernels for the whole list instead of one per tensor),
     the others one at a time, cast as they are reduced (no float32 copy). Per-tensor statistics
     then stay one vector: each operation on them is one call, not one per tensor.

@@ -51,6 +51,25 @@ def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
+def _stands(
+    known: tuple | None,
+    params: Sequence[Tensor],
+    vs: Sequence[Tensor],
+    versions: list[int] | None,
+    c2: float,
+    eps: float,
+) -> bool:
+    """Whether a whole list's record ``(params, vs, versions, c2, eps, value)`` still holds for these arguments."""
+    return (
+        known is not None
+        and versions is not None
+        and known[2] == versions
+        and known[3:5] == (c2, eps)
+        and _same(known[0], params)
+        and _same(known[1], vs)
+    )
+
+
 def _version(t: Tensor) -> int | None:
     """``t``'s version counter, or ``None`` where torch keeps none (inference tensors): never cached then."""
     try:
@@ -101,13 +120,7 @@ class VarianceViews:
     ) -> list[Tensor]:
         """``sqrt(v / c2) + eps`` of each parameter (float32), reused until ``v`` changes or they are released."""
         known = self._dens_lists.get((id(params[0]), len(params))) if params else None
-        if (
-            known is not None
-            and known[3:5] == (c2, eps)
-            and _same(known[0], params)
-            and _same(known[1], exp_avg_sqs)
-            and known[2] == _versions(exp_avg_sqs)
-        ):
+        if _stands(known, params, exp_avg_sqs, _versions(exp_avg_sqs), c2, eps):
             return list(known[5])
         keys = [self._key(v, c2, eps) for v in exp_avg_sqs]
         missing = [i for i, (p, key) in enumerate(zip(params, keys)) if self._valid(self._dens, p, key) is None]
@@ -155,14 +168,7 @@ class VarianceViews:
         dens = self.denominators(params, exp_avg_sqs, c2, eps)
         slot, versions = (id(params[0]) if params else 0, len(params), idle_eps), _versions(exp_avg_sqs)
         known = self._lists.pop(slot, None)  # put back only while it stands: nothing stale is kept alive
-        if (
-            known is not None
-            and versions is not None
-            and known[2] == versions
-            and known[3:5] == (c2, eps)
-            and _same(known[0], params)
-            and _same(known[1], exp_avg_sqs)
-        ):
+        if _stands(known, params, exp_avg_sqs, versions, c2, eps):
             self._lists[slot] = known
             return dens, known[5]
         stats = self._statistics(params, exp_avg_sqs, c2, eps, idle_eps, dens)

@@ -8,7 +8,7 @@ from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _variance_views
 from hf_zeroone.optim._grad_scale import sample_statistics
 from hf_zeroone.optim._memory import state_bytes
-from hf_zeroone.optim._variance_views import VarianceViews
+from hf_zeroone.optim._variance_views import HandedDenominators, VarianceViews
 
 
 def _fresh(vs, c2, eps):
@@ -164,6 +164,90 @@ def test_through_the_hook_on_two_ranks_reusing_them_changes_no_bit(cls_name, kwa
     fresh, _ = run_ranks(_train_two_ranks, 2, cls_name, kwargs, False)[0]
     assert len(kinds) >= 2, kinds  # the frozen-variance kinds were reached
     assert all(torch.equal(a, b) for a, b in zip(cached, fresh))
+
+
+def test_handed_denominators_are_taken_once_and_only_while_what_made_them_stands():
+    """A hook's denominators reach step() only if v, the kind, c2, eps and the scale factor are unchanged."""
+    params = [torch.zeros(4), torch.zeros(3), torch.zeros(2), torch.zeros(5)]
+    vs = [torch.rand(p.shape) + 0.1 for p in params]
+    factors = [torch.tensor(1.5), torch.tensor(0.5), None, torch.tensor(2.0)]
+    dens = [torch.rand(p.shape) for p in params]
+    context = ("onebit_momentum", 0.5, 1e-8)
+    handed = HandedDenominators()
+    handed.keep(params, vs, context, factors, dens)
+    assert handed and sum(t.numel() for t in handed.held()) == 14  # counted while held (state_bytes)
+    vs[1].mul_(2.0)  # v written in place
+    now = [factors[0].clone(), factors[1], None, torch.tensor(2.5)]  # the same value anew; another value
+    taken = handed.take(params, vs, context, now)
+    assert taken[0] is dens[0] and taken[2] is dens[2]
+    assert taken[1] is None and taken[3] is None
+    assert not handed and handed.take(params, vs, context, now) == [None] * 4  # taken once
+    handed.keep(params, vs, context, factors, dens)
+    assert handed.take(params, vs, ("onebit_momentum", 0.5, 1e-6), factors) == [None] * 4  # another eps
+    handed.keep(params, vs, context, factors, dens)
+    assert handed.take(params, [v.clone() for v in vs], context, factors) == [None] * 4  # other tensors (a load)
+    handed.keep(params, vs, context, factors, dens)
+    handed.clear()
+    assert not handed.held()
+
+
+def _sqrts_in_step(rank, world, cls_name, kwargs, handed):
+    """Through the DDP hook on 2 ranks: the square roots step() takes per step kind, and the final parameters."""
+    import collections
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hf_zeroone
+    from hf_zeroone import register_zeroone_hook
+
+    if not handed:
+        HandedDenominators.keep = lambda self, *args: None
+    sqrt, in_step, counts = torch._foreach_sqrt, [False], collections.Counter()
+
+    def counted(tensors):
+        counts["now"] += in_step[0]
+        return sqrt(tensors)
+
+    torch._foreach_sqrt = counted
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
+    opt = getattr(hf_zeroone, cls_name)(ddp.parameters(), lr=1e-2, **kwargs)
+    register_zeroone_hook(ddp, opt)
+    gen = torch.Generator().manual_seed(1 + rank)
+    for _ in range(40):
+        x = torch.randn(8, 16, generator=gen)
+        opt.zero_grad()
+        (ddp(x) - x.flip(1)).pow(2).mean().backward()
+        in_step[0], counts["now"] = True, 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        in_step[0] = False
+        counts[opt.last_step_kind.value] += counts["now"]
+        counts[f"steps {opt.last_step_kind.value}"] += 1
+    del counts["now"]
+    return [p.detach().clone() for p in model.parameters()], dict(counts)
+
+
+@pytest.mark.parametrize(
+    "cls_name, kwargs, kind",
+    [
+        ("OneBitAdam", {"freeze_step": 6}, "onebit_momentum"),
+        ("ZeroOneAdam", {"var_freeze_step": 40, "exact_warmup_steps": 2}, "onebit_gradient"),
+    ],
+)
+def test_after_the_hook_step_takes_no_square_root_and_the_bits_stay(cls_name, kwargs, kind):
+    """The hook's denominators serve the update: no sqrt(v) in step() on 1-bit steps, and the same parameters."""
+    from _dist import run_ranks
+
+    handed, counts = run_ranks(_sqrts_in_step, 2, cls_name, kwargs, True)[0]
+    fresh, fresh_counts = run_ranks(_sqrts_in_step, 2, cls_name, kwargs, False)[0]
+    assert counts[f"steps {kind}"] >= 5, counts
+    assert counts[kind] == 0, counts
+    assert fresh_counts[kind] >= counts[f"steps {kind}"], fresh_counts  # step() took its own before
+    assert all(torch.equal(a, b) for a, b in zip(handed, fresh))
 
 
 def test_scale_samples_count_exactly_the_elements_at_or_above_the_idle_floor():

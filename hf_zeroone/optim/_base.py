@@ -178,6 +178,7 @@ class CompressedAdamBase(OptimizerBooks):
             return self._step(kind, loss)
         finally:
             self._step_denominators = None
+            self.handed_denominators.clear()
             self.variance_views.release()
             self.variance_views.settle()
 

@@ -32,7 +32,7 @@ from hf_zeroone.optim._step_kind import (
     check_exact_step_dtype,
     check_param_group,
 )
-from hf_zeroone.optim._variance_views import SampleStatistics, VarianceViews
+from hf_zeroone.optim._variance_views import HandedDenominators, SampleStatistics, VarianceViews
 
 __all__ = ["UNSET_FREEZE_STEP", "OptimizerBooks"]
 
@@ -106,6 +106,8 @@ class OptimizerBooks(Optimizer):
         self.gradient_scale = GradientScale()
         #: the denominators and sample statistics of each v, computed once per version (see ._variance_views)
         self.variance_views = VarianceViews()
+        #: a DDP hook's denominators of this step, for its update (see ._variance_views)
+        self.handed_denominators = HandedDenominators()
         self._prepared_step = -1
         #: whether the ranks' settings were compared (:mod:`._agreement`), at the first step after a build or a load
         self._ranks_agree = False
@@ -302,7 +304,13 @@ class OptimizerBooks(Optimizer):
         return 1.0 - beta1**t, c2
 
     def _denominators(
-        self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float, keep_plain: bool = False
+        self,
+        group: dict[str, Any],
+        params: Sequence[Tensor],
+        kind: StepKind,
+        c2: float,
+        keep_plain: bool = False,
+        hand_on: bool = False,
     ) -> list[Tensor]:
         """``sqrt(v / c2) + eps``; after the freeze ``v`` follows the gradient's scale (:mod:`._grad_scale`).
 
@@ -310,14 +318,19 @@ class OptimizerBooks(Optimizer):
         clipping, the update and a sync (``v`` and the scale do not change within the step).
         ``keep_plain``: outside ``step()``, the caller will ask for the plain denominators next and
         release them (:meth:`~._messages.Messages.write` and ``finish``): one ``sqrt(v)`` for both.
+        ``hand_on``: outside ``step()`` (a DDP hook's messages), keep them for this step's update
+        (:class:`~._variance_views.HandedDenominators`), which then computes none.
         """
         cache = getattr(self, "_step_denominators", None)
         if cache is None or kind is StepKind.EXACT:
-            return self._compute_denominators(group, params, kind, c2, keep_plain)
+            hand_on = hand_on and cache is None and kind.frozen_variance
+            return self._compute_denominators(group, params, kind, c2, keep_plain, hand_on)
         whole = cache.get((id(params[0]), len(params), kind, c2)) if params else None
         if whole is not None and len(whole[0]) == len(params) and all(map(operator.is_, whole[0], params)):
             return list(whole[1])  # the same list again (the update after the clipping, a sync)
         missing = [p for p in params if (id(p), kind, c2) not in cache]
+        if missing and self.handed_denominators:
+            missing = self._take_handed(group, missing, kind, c2, cache)
         if missing:
             fresh = self._compute_denominators(group, missing, kind, c2, keep_plain)
             cache.update(((id(p), kind, c2), d) for p, d in zip(missing, fresh))
@@ -327,7 +340,13 @@ class OptimizerBooks(Optimizer):
         return dens
 
     def _compute_denominators(
-        self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float, keep_plain: bool = False
+        self,
+        group: dict[str, Any],
+        params: Sequence[Tensor],
+        kind: StepKind,
+        c2: float,
+        keep_plain: bool = False,
+        hand_on: bool = False,
     ) -> list[Tensor]:
         factors = self.scale_factors(group, params) if kind.frozen_variance else None
         v = [self.state[p]["exp_avg_sq"] for p in params]
@@ -337,12 +356,29 @@ class OptimizerBooks(Optimizer):
             or not all(t.dtype == torch.float32 for t in v)
             or not (keep_plain or self._plain_denominators_follow(kind))
         ):
-            return F.denominators(v, c2, group["eps"], factors)
-        # This step will measure its scale samples against the plain denominators, sqrt(v / c2) + eps:
-        # one sqrt(v) for both (the plain ones kept in variance_views, where they are looked up)
-        plain, scaled = F.split_denominators(v, c2, group["eps"], factors)
-        self.variance_views.offer(params, v, c2, group["eps"], plain)
-        return scaled
+            dens = F.denominators(v, c2, group["eps"], factors)
+        else:
+            # This step will measure its scale samples against the plain denominators, sqrt(v / c2) + eps:
+            # one sqrt(v) for both (the plain ones kept in variance_views, where they are looked up)
+            plain, dens = F.split_denominators(v, c2, group["eps"], factors)
+            self.variance_views.offer(params, v, c2, group["eps"], plain)
+        if hand_on:
+            self.handed_denominators.keep(params, v, (kind, c2, group["eps"]), factors or [None] * len(v), dens)
+        return dens
+
+    def _take_handed(
+        self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float, cache: dict
+    ) -> list[Tensor]:
+        """Put the hook's denominators of ``params`` that still stand into this step's ``cache``; the rest, in order."""
+        v = [self.state[p]["exp_avg_sq"] for p in params]
+        factors = (self.scale_factors(group, params) if kind.frozen_variance else None) or [None] * len(v)
+        left = []
+        for p, d in zip(params, self.handed_denominators.take(params, v, (kind, c2, group["eps"]), factors)):
+            if d is None:
+                left.append(p)
+            else:
+                cache[(id(p), kind, c2)] = d
+        return left
 
     def _plain_denominators_follow(self, kind: StepKind) -> bool:
         """Whether, inside ``step()``, this step's scale samples are still to be taken from local gradients.
@@ -456,6 +492,7 @@ class OptimizerBooks(Optimizer):
         self._group_of = None  # torch's load puts new dicts in param_groups: the table's are stale
         self.flat_cache.clear()
         self.variance_views.clear()
+        self.handed_denominators.clear()
         self._prepared_step = -1
         self._ranks_agree = False  # every rank loads: the next step compares the loaded settings
         self.communicated_step = None

@@ -106,7 +106,11 @@ class Messages:
             # on the CPU with the plain denominators of the units from the same sqrt(v) (finish releases
             # them); elsewhere the scaled ones are freed before the plain ones are made (a bucket-sized peak)
             keep_plain = units and F.fuses_on_cpu(ps)
-            clip_dens = opt._denominators(group, ps, kind, c2, keep_plain=keep_plain) if opt.clip_to_variance else None
+            clip_dens = (  # the same as the update's: handed on to step() (see HandedDenominators)
+                opt._denominators(group, ps, kind, c2, keep_plain=keep_plain, hand_on=True)
+                if opt.clip_to_variance
+                else None
+            )
             momentum = kind is StepKind.ONEBIT_MOMENTUM
             l2 = momentum and group["weight_decay"] and not group["decoupled_weight_decay"]
             if units:

@@ -115,6 +115,10 @@ void hz_masked_ratios(int64_t n, float **grads, float **dens, float **out, const
     }
 }
 
+/* Elements a fused loop writes into a block of the stack before it reduces them, while they are in the
+ * first-level cache: a multiple of 8, so the norm's lanes run on across blocks as over one array. */
+#define HZ_BLOCK 2048
+
 /* The 2-norm of x[0..n) in the order torch's CPU kernel reduces float32 (torch.linalg.vector_norm of a
  * contiguous tensor, as found on torch 2.13.0's x86 CPU build): eight lanes each summing the squares of every
  * eighth element (product, then sum: two roundings), the lanes folded left to right, then the
@@ -124,45 +128,105 @@ void hz_masked_ratios(int64_t n, float **grads, float **dens, float **out, const
  * uses this only after checking it against torch's norm in the running process. */
 typedef float hz_lanes8 __attribute__((vector_size(32))); /* eight floats, each rounded on its own */
 
-float hz_norm2(const float *x, int64_t n) {
-    if (n == 1) return fabsf(x[0]);
-    hz_lanes8 acc = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, v;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) { /* one vector register: the loop runs at torch's speed */
+/* lanes[k] += x[i] * x[i] for every i = k mod 8 of x[0..n), n a multiple of 8 (product, then sum). */
+static inline hz_lanes8 hz_lanes_add(hz_lanes8 acc, const float *x, int64_t n) {
+    hz_lanes8 v;
+    for (int64_t i = 0; i + 8 <= n; i += 8) { /* one vector register: the loop runs at torch's speed */
         memcpy(&v, x + i, sizeof v);
         acc = acc + v * v;
     }
+    return acc;
+}
+
+/* The norm from the lanes of an array's first elements and its last `rest` (< 8) elements at `tail`. */
+static inline float hz_norm2_finish(hz_lanes8 acc, const float *tail, int64_t rest) {
     float lane[8];
     memcpy(lane, &acc, sizeof lane);
     float sum = lane[0];
     for (int j = 1; j < 8; j++) sum = sum + lane[j];
-    for (; i + 4 <= n; i += 4)
-        for (int j = 0; j < 4; j++) sum = sum + x[i + j] * x[i + j];
-    for (; i < n; i++) sum = fmaf(x[i], x[i], sum);
+    int64_t i = 0;
+    for (; i + 4 <= rest; i += 4)
+        for (int j = 0; j < 4; j++) sum = sum + tail[i + j] * tail[i + j];
+    for (; i < rest; i++) sum = fmaf(tail[i], tail[i], sum);
     return sqrtf(sum);
+}
+
+static const hz_lanes8 hz_no_lanes = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+
+float hz_norm2(const float *x, int64_t n) {
+    if (n == 1) return fabsf(x[0]);
+    const int64_t body = n - n % 8;
+    return hz_norm2_finish(hz_lanes_add(hz_no_lanes, x, body), x + body, n - body);
+}
+
+/* hz_norm2 of g / d (0 where d < floor, when masked) without writing the ratios out: made a block at a time
+ * on the stack and reduced there, in the same order (hz_masked_ratios' values, hz_norm2's sum). */
+float hz_masked_ratio_norm2(const float *g, const float *d, int64_t n, float floor, uint8_t masked) {
+    float block[HZ_BLOCK];
+    const int64_t body = n - n % 8;
+    hz_lanes8 acc = hz_no_lanes;
+    for (int64_t start = 0; start < n; start += HZ_BLOCK) {
+        int64_t count = n - start < HZ_BLOCK ? n - start : HZ_BLOCK;
+        const float *gs = g + start, *ds = d + start;
+        float *out = block;
+        hz_masked_ratios(1, (float **)&gs, (float **)&ds, &out, &count, &floor, &masked);
+        if (n == 1) return fabsf(block[0]);
+        if (start + count > body) /* the last block: the array's tail is in it */
+            return hz_norm2_finish(hz_lanes_add(acc, block, body - start), block + (body - start), n - body);
+        acc = hz_lanes_add(acc, block, count);
+    }
+    return hz_norm2_finish(acc, 0, 0);
+}
+
+/* A norm in hz_norm2's order, of an array written a block at a time by a fused loop and reduced block by
+ * block while the block is in cache: feed each block (at a multiple of 8 from the array's start) once written,
+ * then end with the whole array, whose last n % 8 elements are summed as hz_norm2 sums them. */
+typedef struct {
+    hz_lanes8 acc;
+    int64_t n, body;
+} hz_norm_run;
+
+static inline hz_norm_run hz_norm_begin(int64_t n) {
+    hz_norm_run r = {hz_no_lanes, n, n - n % 8};
+    return r;
+}
+
+static inline void hz_norm_feed(hz_norm_run *r, const float *block, int64_t start, int64_t count) {
+    const int64_t end = start + count < r->body ? start + count : r->body;
+    if (end > start) r->acc = hz_lanes_add(r->acc, block, end - start);
+}
+
+static inline float hz_norm_end(const hz_norm_run *r, const float *x) {
+    if (r->n == 1) return fabsf(x[0]);
+    return hz_norm2_finish(r->acc, x + r->body, r->n - r->body);
 }
 
 /* Adam's update of parameters and momentum, as torch's _foreach_lerp_, _foreach_mul_ and
  * _foreach_addcdiv_ make it: m = m + w (g - m) rounded once (torch's lerp for w < 0.5),
- * p = p * decay when has_decay, p = p + (value * m) / d. */
+ * p = p * decay when has_decay, p = p + (value * m) / d. With divisor (else NULL), each gradient is
+ * first divided by its tensor's divisor[t], as torch's division by a 0-dim float32 tensor rounds it. */
 void hz_adam_update(int64_t n, float **params, float **grads, float **exp_avgs, float **dens, const int64_t *numel,
-                    float weight, int has_decay, float decay, float value) {
+                    float weight, int has_decay, float decay, float value, const float *divisor) {
     for (int64_t t = 0; t < n; t++) {
         float *p = params[t], *m = exp_avgs[t];
         const float *g = grads[t], *d = dens[t];
-        if (has_decay) {
-            for (int64_t i = 0; i < numel[t]; i++) {
-                const float mi = fmaf(weight, g[i] - m[i], m[i]);
-                m[i] = mi;
-                p[i] = p[i] * decay + (value * mi) / d[i];
-            }
+        const float q = divisor ? divisor[t] : 1.0f;
+#define HZ_ADAM_LOOP(G, P)                                 \
+    for (int64_t i = 0; i < numel[t]; i++) {               \
+        const float mi = fmaf(weight, (G) - m[i], m[i]);   \
+        m[i] = mi;                                         \
+        p[i] = (P) + (value * mi) / d[i];                  \
+    }
+        if (divisor && has_decay) {
+            HZ_ADAM_LOOP(g[i] / q, p[i] * decay)
+        } else if (divisor) {
+            HZ_ADAM_LOOP(g[i] / q, p[i])
+        } else if (has_decay) {
+            HZ_ADAM_LOOP(g[i], p[i] * decay)
         } else {
-            for (int64_t i = 0; i < numel[t]; i++) {
-                const float mi = fmaf(weight, g[i] - m[i], m[i]);
-                m[i] = mi;
-                p[i] = p[i] + (value * mi) / d[i];
-            }
+            HZ_ADAM_LOOP(g[i], p[i])
         }
+#undef HZ_ADAM_LOOP
     }
 }
 
@@ -210,6 +274,21 @@ void hz_from_update_units(int64_t n, float **values, float **dens, float **exp_a
     }
 }
 
+/* hz_from_update_units, and the norm of each result (hz_norm2's order) from the same pass, a block at a time. */
+void hz_from_update_units_norms(int64_t n, float **values, float **dens, float **exp_avgs, const int64_t *numel,
+                                const float *means, float weight, float *norms) {
+    for (int64_t t = 0; t < n; t++) {
+        hz_norm_run run = hz_norm_begin(numel[t]);
+        for (int64_t start = 0; start < numel[t]; start += HZ_BLOCK) {
+            int64_t count = numel[t] - start < HZ_BLOCK ? numel[t] - start : HZ_BLOCK;
+            float *v = values[t] + start, *d = dens[t] + start, *m = exp_avgs ? exp_avgs[t] + start : 0;
+            hz_from_update_units(1, &v, &d, exp_avgs ? &m : 0, &count, means + t, weight);
+            hz_norm_feed(&run, v, start, count);
+        }
+        norms[t] = hz_norm_end(&run, values[t]);
+    }
+}
+
 /* The signs of x packed eight to a byte, first element in the most significant bit, bit 1 where
  * the sign bit is clear (compression.pack_signs); count is a multiple of 8. */
 void hz_pack_signs(const float *x, int64_t count, uint8_t *out) {
@@ -237,6 +316,28 @@ void hz_compression_error(const float *x, int64_t segments, const int64_t *bound
 /* x = (x + e) * mask, in place: the worker's y = x + e_w with its masked elements zeroed (torch's add_, mul_). */
 void hz_add_masked(float *x, const float *e, const float *mask, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] = (x[i] + e[i]) * mask[i];
+}
+
+/* The worker's y = x + e_w in place, segment by segment, and each segment's norm (hz_norm2's order) from the
+ * same pass: times mask when one is given (hz_add_masked), else x + e with every element from zero_from on
+ * set to 0 (torch's add_, then zero_ of the padding). */
+void hz_add_masked_norms(float *x, const float *e, const float *mask, int64_t zero_from, int64_t segments,
+                         const int64_t *bounds, float *norms) {
+    for (int64_t s = 0; s < segments; s++) {
+        const int64_t a = bounds[s], n = bounds[s + 1] - a;
+        hz_norm_run run = hz_norm_begin(n);
+        for (int64_t start = 0; start < n; start += HZ_BLOCK) {
+            const int64_t count = n - start < HZ_BLOCK ? n - start : HZ_BLOCK, first = a + start;
+            float *y = x + first;
+            if (mask) {
+                hz_add_masked(y, e + first, mask + first, count);
+            } else {
+                for (int64_t i = 0; i < count; i++) y[i] = first + i < zero_from ? x[first + i] + e[first + i] : 0.0f;
+            }
+            hz_norm_feed(&run, y, start, count);
+        }
+        norms[s] = hz_norm_end(&run, x + a);
+    }
 }
 
 /* One sign as unpack_signs gives it: +1.0 where bit k (from the most significant) of byte is set, else -1.0. */
@@ -301,6 +402,29 @@ void hz_decompress_sum(const uint8_t *packed, int64_t rows, int64_t row_bytes, i
             decompress_span(packed + r * row_bytes, a, bounds[s + 1] - a, scales[r * segments + s],
                             r == 0 ? error + a : out + a, (mask && r == rows - 1) ? mask + a : 0, out + a);
         }
+}
+
+/* hz_decompress_sum a block at a time, every row's copy added into the block while it is in cache (each
+ * element sees the same operations in the same order), then, without a mask, 0 from zero_from on (torch's
+ * zero_ of the padding), and each segment's norm of the result (hz_norm2's order) into norms. */
+void hz_decompress_sum_norms(const uint8_t *packed, int64_t rows, int64_t row_bytes, int64_t segments,
+                             const int64_t *bounds, const float *scales, const float *error, const float *mask,
+                             int64_t zero_from, float *out, float *norms) {
+    for (int64_t s = 0; s < segments; s++) {
+        const int64_t a = bounds[s], n = bounds[s + 1] - a;
+        hz_norm_run run = hz_norm_begin(n);
+        for (int64_t start = 0; start < n; start += HZ_BLOCK) {
+            const int64_t count = n - start < HZ_BLOCK ? n - start : HZ_BLOCK, first = a + start;
+            for (int64_t r = 0; r < rows; r++)
+                decompress_span(packed + r * row_bytes, first, count, scales[r * segments + s],
+                                r == 0 ? error + first : out + first, (mask && r == rows - 1) ? mask + first : 0,
+                                out + first);
+            if (!mask)
+                for (int64_t i = zero_from > first ? zero_from - first : 0; i < count; i++) out[first + i] = 0.0f;
+            hz_norm_feed(&run, out + first, start, count);
+        }
+        norms[s] = hz_norm_end(&run, out + a);
+    }
 }
 
 /* 0/1 Adam's sync (_local_phase.apply_sync) in one pass: p = synced * decay[t] - u (torch's copy, mul_

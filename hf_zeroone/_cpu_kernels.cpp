@@ -123,10 +123,10 @@ std::optional<Tensors> clip_to_bounds(const Tensors& grads, const Tensors& dens,
     return out;
 }
 
-// The 2-norm of each g / d, set to 0 where d < floor in the masked tensors, as torch computes it, without keeping the ratios:
-// each is written into one scratch buffer in turn and reduced there, by torch's own norm (the kernel that
-// torch._foreach_norm runs tensor by tensor on the CPU) or, with `own_norm`, by hz_norm2 (its order, which the
-// caller has checked against torch's in this process), so the norms are torch's bits.
+// The 2-norm of each g / d, set to 0 where d < floor in the masked tensors, as torch computes it, without keeping the
+// ratios: with `own_norm` in hz_norm2's order (which the caller has checked against torch's in this process), a block
+// at a time on the stack (hz_masked_ratio_norm2); otherwise each is written into one scratch buffer in turn and
+// reduced there by torch's own norm (the kernel that torch._foreach_norm runs tensor by tensor on the CPU).
 std::optional<at::Tensor> masked_ratio_norms(const Tensors& grads, const Tensors& dens, const at::Tensor& floors_,
                                              const std::vector<bool>& masked, bool own_norm, int64_t limit) {
     std::vector<float*> g, d;
@@ -135,16 +135,21 @@ std::optional<at::Tensor> masked_ratio_norms(const Tensors& grads, const Tensors
     if (grads.empty() || floors.empty() || masked.size() != grads.size() || !walk(grads, limit, g, n) ||
         !walk_paired(dens, limit, n, d))
         return std::nullopt;
+    at::Tensor norms = at::empty({(int64_t)grads.size()}, grads[0].options());
+    float* out = norms.data_ptr<float>();
+    if (own_norm) {  // no scratch: the ratios are reduced a block at a time as they are made
+        for (size_t t = 0; t < grads.size(); t++)
+            out[t] = hz_masked_ratio_norm2(g[t], d[t], n[t], floors[t], masked[t]);
+        return norms;
+    }
     const int64_t largest = *std::max_element(n.begin(), n.end());
     at::Tensor scratch = at::empty({largest}, grads[0].options().memory_format(at::MemoryFormat::Contiguous));
-    at::Tensor norms = at::empty({(int64_t)grads.size()}, grads[0].options());
     float* s = scratch.data_ptr<float>();
-    float* out = norms.data_ptr<float>();
     for (size_t t = 0; t < grads.size(); t++) {
         const float f = floors[t];
         const uint8_t flag = masked[t] ? 1 : 0;
         hz_masked_ratios(1, &g[t], &d[t], &s, &n[t], &f, &flag);
-        out[t] = own_norm ? hz_norm2(s, n[t]) : at::linalg_vector_norm(scratch.narrow(0, 0, n[t]), 2).item<float>();
+        out[t] = at::linalg_vector_norm(scratch.narrow(0, 0, n[t]), 2).item<float>();
     }
     return norms;
 }
@@ -160,15 +165,18 @@ std::optional<at::Tensor> norms(const Tensors& ts, int64_t limit) {
     return out;
 }
 
+// divisors (optional): one float32 per tensor, each gradient divided by its own first.
 bool adam_update(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs, const Tensors& dens,
-                 double weight, double decay, double value, int64_t limit) {
+                 double weight, double decay, double value, const std::optional<at::Tensor>& divisors,
+                 int64_t limit) {
     std::vector<float*> p, g, m, d;
     std::vector<int64_t> n;
-    if (params.empty() || !walk(params, limit, p, n) || !walk_paired(grads, limit, n, g) ||
-        !walk_paired(exp_avgs, limit, n, m) || !walk_paired(dens, limit, n, d))
+    std::vector<float> q = divisors.has_value() ? per_tensor(*divisors, params.size()) : std::vector<float>();
+    if (params.empty() || (divisors.has_value() && q.empty()) || !walk(params, limit, p, n) ||
+        !walk_paired(grads, limit, n, g) || !walk_paired(exp_avgs, limit, n, m) || !walk_paired(dens, limit, n, d))
         return false;
     hz_adam_update((int64_t)params.size(), p.data(), g.data(), m.data(), d.data(), n.data(), (float)weight,
-                   decay != 1.0, (float)decay, (float)value);
+                   decay != 1.0, (float)decay, (float)value, q.empty() ? nullptr : q.data());
     bump_versions(params);
     bump_versions(exp_avgs);
     return true;
@@ -232,6 +240,22 @@ bool from_update_units(const Tensors& values, const Tensors& dens, const Tensors
                          mean.data(), (float)weight);
     bump_versions(values);
     return true;
+}
+
+// hz_from_update_units and the norm of each result, in one pass (the caller has checked hz_norm2's order).
+std::optional<at::Tensor> from_update_units_norms(const Tensors& values, const Tensors& dens, const Tensors& exp_avgs,
+                                                  const at::Tensor& means, double weight, int64_t limit) {
+    std::vector<float*> v, d, m;
+    std::vector<int64_t> n;
+    auto mean = per_tensor(means, values.size());
+    if (values.empty() || mean.empty() || !walk(values, limit, v, n) || !walk_paired(dens, limit, n, d) ||
+        (!exp_avgs.empty() && !walk_paired(exp_avgs, limit, n, m)))
+        return std::nullopt;
+    at::Tensor norms = at::empty({(int64_t)values.size()}, values[0].options());
+    hz_from_update_units_norms((int64_t)values.size(), v.data(), d.data(), m.empty() ? nullptr : m.data(), n.data(),
+                               mean.data(), (float)weight, norms.data_ptr<float>());
+    bump_versions(values);
+    return norms;
 }
 
 // A dense contiguous CPU tensor of `dtype` that this file may read or write (see `walk`).
@@ -319,6 +343,42 @@ bool decompress_sum(const at::Tensor& rows, const at::Tensor& scales, const std:
     return true;
 }
 
+// hz_decompress_sum a block at a time, the padding zeroed without a mask, and each segment's norm of the result.
+std::optional<at::Tensor> decompress_sum_norms(const at::Tensor& rows, const at::Tensor& scales,
+                                               const std::vector<int64_t>& bounds, const at::Tensor& error,
+                                               const std::optional<at::Tensor>& mask_, int64_t zero_from,
+                                               const at::Tensor& out, int64_t limit) {
+    at::Tensor mask = mask_.value_or(at::Tensor());
+    if (!plain(rows, at::kByte, 0) || rows.dim() != 2 || !plain(scales, at::kFloat, 0) ||
+        !plain(error, at::kFloat, limit) || !plain(out, at::kFloat, limit) || error.numel() != out.numel() ||
+        bounds.size() < 1 || scales.numel() != rows.size(0) * (int64_t)(bounds.size() - 1) ||
+        !valid_bounds(bounds, out.numel(), (int64_t)bounds.size() - 1) || rows.size(0) < 1 ||
+        rows.size(1) * 8 < out.numel() || overlaps(error, out) || !mask_ok(mask, out.numel(), limit))
+        return std::nullopt;
+    at::Tensor norms = at::empty({(int64_t)bounds.size() - 1}, out.options());
+    hz_decompress_sum_norms(rows.data_ptr<uint8_t>(), rows.size(0), rows.size(1), (int64_t)bounds.size() - 1,
+                            bounds.data(), scales.data_ptr<float>(), error.data_ptr<float>(), mask_ptr(mask),
+                            zero_from, out.data_ptr<float>(), norms.data_ptr<float>());
+    bump_versions({out});
+    return norms;
+}
+
+// x = x + e in place, times the mask when one is given (else 0 from zero_from on), and each segment's norm.
+std::optional<at::Tensor> add_masked_norms(const at::Tensor& x, const at::Tensor& e,
+                                           const std::optional<at::Tensor>& mask_, int64_t zero_from,
+                                           const std::vector<int64_t>& bounds, int64_t limit) {
+    at::Tensor mask = mask_.value_or(at::Tensor());
+    if (!plain(x, at::kFloat, limit) || !plain(e, at::kFloat, limit) || e.numel() != x.numel() ||
+        !mask_ok(mask, x.numel(), limit) || bounds.size() < 1 ||
+        !valid_bounds(bounds, x.numel(), (int64_t)bounds.size() - 1) || overlaps(x, e))
+        return std::nullopt;
+    at::Tensor norms = at::empty({(int64_t)bounds.size() - 1}, x.options());
+    hz_add_masked_norms(x.data_ptr<float>(), e.data_ptr<float>(), mask_ptr(mask), zero_from,
+                        (int64_t)bounds.size() - 1, bounds.data(), norms.data_ptr<float>());
+    bump_versions({x});
+    return norms;
+}
+
 // x = (x + e) * mask in place (hz_add_masked).
 bool add_masked(const at::Tensor& x, const at::Tensor& e, const at::Tensor& mask, int64_t limit) {
     if (!plain(x, at::kFloat, limit) || !plain(e, at::kFloat, limit) || !plain(mask, at::kFloat, limit) ||
@@ -374,4 +434,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("decompress_sum", &decompress_sum);
     m.def("add_masked", &add_masked);
     m.def("apply_sync", &apply_sync);
+    m.def("from_update_units_norms", &from_update_units_norms);
+    m.def("decompress_sum_norms", &decompress_sum_norms);
+    m.def("add_masked_norms", &add_masked_norms);
 }

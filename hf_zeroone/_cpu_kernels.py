@@ -56,6 +56,7 @@ from torch import Tensor
 __all__ = [
     "adam_update_",
     "add_masked_",
+    "add_masked_norms_",
     "apply_sync_",
     "all_finite",
     "scaled_difference",
@@ -64,8 +65,10 @@ __all__ = [
     "compression_error_",
     "decompress_",
     "decompress_sum_",
+    "decompress_sum_norms_",
     "enabled",
     "from_update_units_",
+    "from_update_units_norms_",
     "masked_ratio_norms",
     "norms",
     "pack_signs",
@@ -330,18 +333,21 @@ def adam_update_(
     weight: float,
     decay: float,
     value: float,
+    divisors: Tensor | None = None,
 ) -> bool:
     """In place: ``m.lerp_(g, weight)``, ``p *= decay`` (unless 1), ``p.addcdiv_(m, d, value=value)``, in one pass.
 
-    ``False`` (nothing written) where the kernels do not take the lists, or ``weight`` is not below
-    0.5 (torch's lerp takes another form there). Bumps the version counters of ``params`` and
-    ``exp_avgs``, as torch's in-place operations do.
+    ``divisors`` (one float32 per tensor): each ``g`` is first divided by its own, as ``g / divisor``
+    with a 0-dim float32 tensor rounds it (the gradient itself is not written). ``False`` (nothing
+    written) where the kernels do not take the lists, or ``weight`` is not below 0.5 (torch's lerp
+    takes another form there). Bumps the version counters of ``params`` and ``exp_avgs``, as
+    torch's in-place operations do.
     """
     params = list(params)
     lib = _ready(params)
     if lib is None or not abs(float(np.float32(weight))) < 0.5:  # torch decides on the float32 weight
         return False
-    return lib.adam_update(params, list(grads), list(exp_avgs), list(dens), weight, decay, value, _limit())
+    return lib.adam_update(params, list(grads), list(exp_avgs), list(dens), weight, decay, value, divisors, _limit())
 
 
 def scaled_difference_(
@@ -405,6 +411,21 @@ def from_update_units_(
     return lib is not None and lib.from_update_units(values, list(dens), list(exp_avgs or []), means, weight, _limit())
 
 
+def from_update_units_norms_(
+    values: Sequence[Tensor], dens: Sequence[Tensor], exp_avgs: Sequence[Tensor] | None, means: Tensor, weight: float
+) -> Tensor | None:
+    """:func:`from_update_units_`, and each result's 2-norm (``torch._foreach_norm``'s bits) from the same pass.
+
+    ``None`` (nothing written) where the kernels do not take the lists or the library's norm is off
+    (:func:`norms`).
+    """
+    values = list(values)
+    lib = _ready(values)
+    if lib is None or not _own_norm:
+        return None
+    return lib.from_update_units_norms(values, list(dens), list(exp_avgs or []), means, weight, _limit())
+
+
 def pack_signs(x: Tensor) -> Tensor | None:
     """:func:`~hf_zeroone.compression.pack_signs` of a float32 CPU tensor in one pass, or ``None``."""
     lib = _ready([x])
@@ -443,6 +464,40 @@ def decompress_sum_(
     """
     lib = _ready([out])
     return lib is not None and lib.decompress_sum(rows, scales, list(bounds), error, mask, out, _limit())
+
+
+def decompress_sum_norms_(
+    rows: Tensor,
+    scales: Tensor,
+    bounds: Sequence[int],
+    error: Tensor,
+    out: Tensor,
+    mask: Tensor | None,
+    zero_from: int,
+) -> Tensor | None:
+    """:func:`decompress_sum_`, then without a mask ``out[zero_from:] = 0``; returns each segment's 2-norm of ``out``.
+
+    The norms are ``torch._foreach_norm``'s bits of the segments; ``None`` (nothing written) where the
+    kernels do not take the arguments or the library's norm is off (:func:`norms`).
+    """
+    lib = _ready([out])
+    if lib is None or not _own_norm:
+        return None
+    return lib.decompress_sum_norms(rows, scales, list(bounds), error, mask, zero_from, out, _limit())
+
+
+def add_masked_norms_(
+    x: Tensor, e: Tensor, mask: Tensor | None, zero_from: int, bounds: Sequence[int]
+) -> Tensor | None:
+    """``x = (x + e) * mask`` in place (without a mask ``x + e``, then ``x[zero_from:] = 0``); each segment's 2-norm.
+
+    The norms are ``torch._foreach_norm``'s bits of the segments of the result; ``None`` (nothing
+    written) where the kernels do not take the arguments or the library's norm is off (:func:`norms`).
+    """
+    lib = _ready([x])
+    if lib is None or not _own_norm:
+        return None
+    return lib.add_masked_norms(x, e, mask, zero_from, list(bounds), _limit())
 
 
 def add_masked_(x: Tensor, e: Tensor, mask: Tensor) -> bool:

@@ -52,6 +52,7 @@ from hf_zeroone.compression import (
     decompress,
     encode_float8_into,
     pack_signs,
+    scales_from_norms,
     segment_scales,
 )
 
@@ -125,10 +126,15 @@ def compressed_allreduce(
     # Stage 1, worker side: y = x + e_w, compressed segment by segment.
     y = buffer
     mask = _caller_mask(layout, 0, layout.padded)
-    if mask is None or not _cpu_kernels.add_masked_(y, worker_error, mask):  # one pass on the CPU
-        y.add_(worker_error)
-        _zero_masked(y, layout)
-    scales = segment_scales(y, layout.bounds, layout.segment_counts)
+    # on the CPU y and its segments' norms in one pass
+    norms = _cpu_kernels.add_masked_norms_(y, worker_error, mask, layout.numel, layout.bounds)
+    if norms is not None:
+        scales = scales_from_norms(norms, layout.segment_counts)
+    else:
+        if mask is None or not _cpu_kernels.add_masked_(y, worker_error, mask):  # one pass on the CPU
+            y.add_(worker_error)
+            _zero_masked(y, layout)
+        scales = segment_scales(y, layout.bounds, layout.segment_counts)
     scales.masked_fill_(~torch.isfinite(scales).all(), math.nan)  # every server will see it
     send = torch.empty(p, row, dtype=torch.uint8, device=device)
     send[:, :nb] = pack_signs(y.view(p, c))
@@ -152,8 +158,9 @@ def compressed_allreduce(
     # Stage 1, server side: average the P compressed copies of my chunk, compress again.
     bounds = layout.chunk_bounds(k)
     # the P copies, each scaled by 1/P, summed in rank order: z = mean_i C[y_ik] + e_s
-    z = _server_sum(recv, nb, worker_scales.reshape(-1) / p, bounds, server_error, y.view(p, c), layout, k * c)
-    s = segment_scales(z, bounds, layout.chunk_segment_counts(k))
+    z, norms = _server_sum(recv, nb, worker_scales.reshape(-1) / p, bounds, server_error, y.view(p, c), layout, k * c)
+    counts = layout.chunk_segment_counts(k)
+    s = segment_scales(z, bounds, counts) if norms is None else scales_from_norms(norms, counts)
     s.masked_fill_(~ok, math.nan)
     out_row = torch.empty(row, dtype=torch.uint8, device=device)
     out_row[:nb] = pack_signs(z).masked_fill_(~ok, 0)
@@ -188,26 +195,30 @@ def _caller_mask(layout: ChunkLayout, start: int, n: int) -> Tensor | None:
 def _server_sum(
     recv: Tensor, nb: int, scales: Tensor, bounds: tuple[int, ...], error: Tensor, into: Tensor,
     layout: ChunkLayout, start: int,
-) -> Tensor:  # fmt: skip
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """``C_0 + e_s + C_1 + ... + C_{P-1}`` (rank order) from the received rows' signs, masked, in ``into[0]``.
 
     ``scales``: the ``P`` workers' segment scales of this chunk, already divided by ``P``, row by
     row; ``into``: ``(P, c)`` float32 scratch; the chunk starts at layout position ``start``. On
-    the CPU one pass (the fused kernel); elsewhere the ``P`` copies side by side, then summed row
-    by row (much faster than a sum over dim 0 on the CPU), then masked: the same bits.
+    the CPU one pass (the fused kernel), which also gives the segments' norms; elsewhere the ``P``
+    copies side by side, then summed row by row (much faster than a sum over dim 0 on the CPU),
+    then masked: the same bits. Returns the sum and its segments' norms (``None`` where not taken).
     """
     p, c = into.shape
     mask = _caller_mask(layout, start, c)
+    norms = _cpu_kernels.decompress_sum_norms_(recv, scales, bounds, error, into[0], mask, layout.numel - start)
+    if norms is not None:
+        return into[0], norms
     if _cpu_kernels.decompress_sum_(recv, scales, bounds, error, into[0], mask):
         if mask is None:
             _zero_masked(into[0], layout, start=start)  # the padding at the end, if this chunk holds it
-        return into[0]
+        return into[0], None
     copies = decompress(recv[:, :nb], scales, _tile(bounds, p), out=into.view(-1)).view_as(into)
     z = copies[0].add_(error)
     for i in range(1, p):
         z.add_(copies[i])
     _zero_masked(z, layout, start=start)
-    return z
+    return z, None
 
 
 def _masked_error(

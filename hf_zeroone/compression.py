@@ -65,6 +65,7 @@ __all__ = [
     "encode_float8_into",
     "padded_length",
     "pack_signs",
+    "scales_from_norms",
     "segment_scales",
     "unpack_signs",
 ]
@@ -298,6 +299,11 @@ def segment_scales(x: Tensor, bounds: Sequence[int], counts: Tensor) -> Tensor:
     norms = _cpu_kernels.norms(segments)  # on the CPU, one call (the same bits)
     if norms is None:
         norms = torch.stack(torch._foreach_norm(segments))
+    return scales_from_norms(norms, counts)
+
+
+def scales_from_norms(norms: Tensor, counts: Tensor) -> Tensor:
+    """:func:`segment_scales` from the segments' 2-norms (float32, as ``torch._foreach_norm`` gives them)."""
     return torch.where(counts > 0, norms / counts.clamp(min=1).sqrt(), torch.zeros_like(norms))
 
 

@@ -172,6 +172,79 @@ def test_the_librarys_own_norm_is_torchs_on_every_remainder(kernels):  # noqa: A
     assert _same(lib.norms(tensors, 0), torch.stack(torch._foreach_norm(tensors)))
 
 
+def _segments_of(sizes, seed: int):  # noqa: ANN001, ANN202
+    """A flat vector cut into segments of ``sizes`` (values of every magnitude and class) and their bounds."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n, generator=gen) * 10.0 ** torch.randint(-12, 12, (1,), generator=gen) for n in sizes]
+    x = torch.cat(parts)
+    x[torch.randint(0, x.numel(), (len(_SPECIALS),), generator=gen)] = torch.tensor(_SPECIALS)
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    return x, bounds
+
+
+#: segments around the fused loops' blocks (2048 elements) and the norm's lanes (8)
+_BLOCKED = (0, 1, 7, 8, 9, 2047, 2048, 2049, 4101, 6144, 5, 0, 12)
+
+
+def test_the_norms_fused_into_the_passes_are_torchs_bits(kernels):  # noqa: ANN001
+    """y = x + e_w, the server's sum and the implied gradients with their norms from the same pass: torch's bits.
+
+    Segments of every remainder, across the blocks the loops reduce, with and without a mask (the padding zeroed).
+    """
+    if not _cpu_kernels._own_norm:
+        pytest.skip("this torch build reduces in another order: the fused norms are not used (checked at load)")
+    lib = _cpu_kernels._library_or_none()
+    x, bounds = _segments_of(_BLOCKED, 0)
+    n = x.numel()
+    gen = torch.Generator().manual_seed(1)
+    e = torch.randn(n, generator=gen)
+    mask = (torch.rand(n, generator=gen) > 0.3).float()
+    for m, zero_from in ((mask, n), (None, n - 3000), (None, n)):
+        y = x.clone()
+        norms = _cpu_kernels.add_masked_norms_(y, e, m, zero_from, bounds)
+        want = (x + e) * m if m is not None else torch.cat([(x + e)[:zero_from], torch.zeros(n - zero_from)])
+        assert _same(y, want)
+        assert _same(norms, lib.norms(list(want.split(_BLOCKED)), 0))
+        assert _same(norms, torch.stack(torch._foreach_norm(list(want.split(_BLOCKED)))))
+
+    p, c = 3, n - n % 8
+    copies = [torch.randn(c, generator=gen) for _ in range(p)]
+    rows = torch.stack([_cpu_kernels.pack_signs(t) for t in copies])
+    chunk_bounds = [b for b in bounds if b < c] + [c]
+    scales = torch.rand(p * (len(chunk_bounds) - 1), generator=gen)
+    error = torch.randn(c, generator=gen)
+    for m, zero_from in ((mask[:c], c), (None, c - 2500), (None, c + 8)):
+        out, want = torch.empty(c), torch.empty(c)
+        norms = _cpu_kernels.decompress_sum_norms_(rows, scales, chunk_bounds, error, out, m, zero_from)
+        assert _cpu_kernels.decompress_sum_(rows, scales, chunk_bounds, error, want, m)
+        if m is None:
+            want[zero_from:] = 0.0
+        assert _same(out, want)
+        sizes = [b - a for a, b in zip(chunk_bounds, chunk_bounds[1:])]
+        assert _same(norms, torch.stack(torch._foreach_norm(list(want.split(sizes)))))
+
+    values = list(x.clone().split(_BLOCKED))
+    dens = [t.abs() + 0.5 for t in torch.randn(n, generator=gen).split(_BLOCKED)]
+    momenta = list(torch.randn(n, generator=gen).split(_BLOCKED))
+    means = torch.rand(len(values), generator=gen) + 0.5
+    for implied in (momenta, None):
+        fused, plain = [v.clone() for v in values], [v.clone() for v in values]
+        norms = _cpu_kernels.from_update_units_norms_(fused, dens, implied, means, 10.0)
+        assert _cpu_kernels.from_update_units_(plain, dens, implied, means, 10.0)
+        assert all(map(_same, fused, plain))
+        assert _same(norms, torch.stack(torch._foreach_norm(plain)))
+
+    grads, ratio_dens = list(x.split(_BLOCKED)), [d * 1e-3 for d in dens]
+    floors, masked = torch.full((len(grads),), 5e-4), [i % 2 == 0 for i in range(len(grads))]
+    ratios = [torch.where((d < f) & flag, 0.0, g / d) for g, d, f, flag in zip(grads, ratio_dens, floors, masked)]
+    assert _same(lib.masked_ratio_norms(grads, ratio_dens, floors, masked, True, 0),
+                 torch.stack(torch._foreach_norm(ratios)))  # fmt: skip
+    assert _same(lib.masked_ratio_norms(grads, ratio_dens, floors, masked, False, 0),
+                 torch.stack(torch._foreach_norm(ratios)))  # fmt: skip
+
+
 def test_a_norm_in_another_order_is_not_used_and_the_samples_stay_torchs(kernels, monkeypatch):  # noqa: ANN001
     """The check finds a library norm that sums in another order; the ratios' norms then come from torch's."""
     lib = _cpu_kernels._library_or_none()
@@ -382,14 +455,15 @@ def test_a_two_rank_hook_run_is_the_same_run_with_the_kernels_and_without(kernel
     fused = run_ranks(_hook_run, 2, name, True, masked, timeout=300)
     plain = run_ranks(_hook_run, 2, name, False, masked, timeout=300)
     taken = fused[0][3]
-    used = {"update_unit_messages", "from_update_units", "pack_signs", "compression_error", "decompress"}
-    if masked:
-        used |= {"add_masked"}
+    used = {"update_unit_messages", "pack_signs", "compression_error", "decompress"}
     if name == "ZeroOneAdam":
-        used |= {"apply_sync"}
-    if fused[0][4]:  # the library's own norm passed its check: the segments' scales and the lanes' norms
-        used |= {"norms"}
-    assert set(taken) >= used | {"decompress_sum"}, sorted(taken.items())  # each kernel of the 1-bit path ran
+        used |= {"apply_sync", "from_update_units"}
+    if fused[0][4]:  # the library's own norm passed its check: norms from the passes that write what they measure
+        used |= {"add_masked_norms", "decompress_sum_norms"}
+        used |= {"from_update_units_norms", "norms"} if name == "OneBitAdam" else set()  # and the lanes' norms
+    else:
+        used |= {"decompress_sum", "from_update_units"} | ({"add_masked"} if masked else set())
+    assert set(taken) >= used, sorted(taken.items())  # each kernel of the 1-bit path ran
     kinds = set(fused[0][2])
     assert kinds >= ({"onebit_momentum"} if name == "OneBitAdam" else {"onebit_gradient", "local", "onebit_sync"})
     for rank in range(2):

@@ -184,6 +184,7 @@ class CompressedAdamBase(OptimizerBooks):
 
     def _step(self, kind: StepKind, loss: Any) -> Any:  # noqa: ANN401
         hook_done = self.communicated_step == self.schedule["step"]
+        pending: dict[Tensor, Tensor] = {}  # divisors the update applies (1-bit Adam's norm proxies)
         found_inf = scaler_found_inf(self)
         if found_inf is not None:  # a GradScaler's protocol (._amp_scaler): every rank skips if one overflowed
             exchanges = kind.communicates_in_backward and not hook_done
@@ -227,7 +228,12 @@ class CompressedAdamBase(OptimizerBooks):
                 )
                 updates = [(g, p, v) for (g, p, _), v in zip(updates, values)]
             if local or (kind is StepKind.ONEBIT_MOMENTUM and hook_done):
-                values = self.messages.undo_norm_proxies([p for _, p, _ in updates], [v for _, _, v in updates])
+                divisors = self.messages.norm_proxy_divisors([p for _, p, _ in updates], [v for _, _, v in updates])
+                if not local:  # float32 implied gradients are divided inside the update: no divided copy of each
+                    for i, ((_, p, v), d) in enumerate(zip(updates, divisors)):
+                        if d is not None and v.dtype == p.dtype == torch.float32:
+                            pending[p], divisors[i] = d, None
+                values = F.divided([v for _, _, v in updates], divisors)
                 updates = [(g, p, v) for (g, p, _), v in zip(updates, values)]
         self.messages.contain_spikes()
         for _, _, value in updates:
@@ -265,7 +271,7 @@ class CompressedAdamBase(OptimizerBooks):
                 "(register_zeroone_hook(..., grad_scaler=scaler)): the ranks then agree on overflow and skip together."
             )
         self._scaler_skips_in_a_row = 0
-        self._apply(kind, updates)
+        self._apply(kind, updates, pending)
         # after the update: this step's denominators used the gradient scale as it stood before it
         self.gradient_scale.fold(
             kind,
@@ -316,8 +322,13 @@ class CompressedAdamBase(OptimizerBooks):
         )
         self.flat_cache.refresh_masks(changed)
 
-    def _apply(self, kind: StepKind, updates: list[tuple[dict[str, Any], Tensor, Tensor]]) -> None:
-        """Update every parameter and its state from its combined result (or its local gradient)."""
+    def _apply(
+        self, kind: StepKind, updates: list[tuple[dict[str, Any], Tensor, Tensor]], divisors: dict[Tensor, Tensor]
+    ) -> None:
+        """Update every parameter and its state from its combined result (or its local gradient).
+
+        ``divisors``: per parameter, a 0-dim float32 tensor its (float32) value is divided by first.
+        """
         local = kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
         for group, params, values in by_group(updates):
             lr, wd = group["lr"], group["weight_decay"]
@@ -348,6 +359,7 @@ class CompressedAdamBase(OptimizerBooks):
                 c1=c1,
                 decay=decay,
                 update_variance=kind is StepKind.EXACT,
+                divisors=[divisors.get(p) for p in params] if divisors else None,
                 make_denominators=(lambda dens=dens: dens)
                 if dens is not None
                 else (lambda group=group, params=params, c2=c2: self._denominators(group, params, kind, c2)),

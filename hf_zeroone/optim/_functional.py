@@ -46,6 +46,7 @@ from hf_zeroone._tensors import (
 
 __all__ = [
     "adam_update",
+    "divided",
     "by_group",
     "clip_to_variance",
     "denominators",
@@ -202,20 +203,44 @@ def adam_update(
     decay: float,
     update_variance: bool,
     make_denominators,  # noqa: ANN001 - () -> list[Tensor], called after the variance update
+    divisors: Sequence[Tensor | None] | None = None,
 ) -> list[Tensor]:
-    """One Adam update of every parameter (see the module docstring); returns the denominators used."""
+    """One Adam update of every parameter (see the module docstring); returns the denominators used.
+
+    ``divisors``: 0-dim float32 tensors (``None`` where none), by which each float32 gradient is
+    divided first (:meth:`~._messages.Messages.undo_norm_proxies`); on the CPU inside the update's
+    pass, without a divided copy of the gradients.
+    """
     params, grads, exp_avgs = list(params), list(grads), list(exp_avgs)
+    if divisors is not None and update_variance:  # v reads the divided gradients: divide them first
+        grads, divisors = divided(grads, divisors), None
     if update_variance:
         mul_scalar_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(list(exp_avg_sqs), grads, grads, value=1.0 - beta2)
     dens = make_denominators()  # from v alone: the momentum and parameters below do not enter them
-    if _cpu_kernels.adam_update_(params, grads, exp_avgs, dens, 1.0 - beta1, decay, -lr / c1):
+    if divisors is not None:
+        one = torch.ones((), dtype=torch.float32, device=grads[0].device)
+        joined_divisors = torch.stack([one if d is None else d for d in divisors])
+        if _cpu_kernels.adam_update_(params, grads, exp_avgs, dens, 1.0 - beta1, decay, -lr / c1, joined_divisors):
+            return dens  # the division and the three passes below in one (the CPU)
+        grads = divided(grads, divisors)
+    elif _cpu_kernels.adam_update_(params, grads, exp_avgs, dens, 1.0 - beta1, decay, -lr / c1):
         return dens  # the three passes below in one (the CPU)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     if decay != 1.0:
         mul_scalar_(params, decay)
     torch._foreach_addcdiv_(params, exp_avgs, dens, value=-lr / c1)
     return dens
+
+
+def divided(values: Sequence[Tensor], divisors: Sequence[Tensor | None]) -> list[Tensor]:
+    """Each value over its divisor (0-dim, of its dtype or float32), as new tensors; as it is where ``None``."""
+    out, index = list(values), [i for i, d in enumerate(divisors) if d is not None]
+    if index:
+        quotients = apply_per_tensor("div", [values[i] for i in index], [divisors[i] for i in index], in_place=False)
+        for i, value in zip(index, quotients):
+            out[i] = value
+    return out
 
 
 def momentum_messages(
@@ -265,21 +290,28 @@ def to_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: Ten
 
 def from_update_units(
     values: Sequence[Tensor], dens: Sequence[Tensor], means: Tensor,
-    implied_from: Sequence[Tensor] | None = None, beta1: float = 0.0,
-) -> None:  # fmt: skip
+    implied_from: Sequence[Tensor] | None = None, beta1: float = 0.0, norms: bool = False,
+) -> Tensor | None:  # fmt: skip
     """The inverse of :func:`to_update_units`, in place: each value times ``d / mean(d)``.
 
     With ``implied_from`` (the momenta), each value is then a combined momentum turned into the
     gradient it implies (:func:`implied_gradients`). On the CPU both in one pass per tensor.
+    ``norms``: return each result's :func:`float32_norms` where the CPU kernels take them from that
+    same pass (``None`` otherwise: the caller takes them).
     """
     values = list(values)
     weight = 1.0 / (1.0 - beta1)
+    if norms:
+        found = _cpu_kernels.from_update_units_norms_(values, dens, implied_from, means, weight)
+        if found is not None:
+            return found
     if _cpu_kernels.from_update_units_(values, dens, implied_from, means, weight):
-        return
+        return None
     torch._foreach_mul_(values, list(dens))
     apply_per_tensor("div", values, list(means.unbind()), in_place=True)
     if implied_from is not None:
         implied_gradients(implied_from, values, beta1)
+    return None
 
 
 def fuses_on_cpu(tensors: Sequence[Tensor]) -> bool:
@@ -382,18 +414,21 @@ def local_sq_norms(grads: Sequence[Tensor | None]) -> Tensor:
     return torch.stack([zero if g is None else next(each) for g in grads])
 
 
-def norm_proxy_factors(views: Sequence[Tensor], mean_sq_norms: Tensor) -> list[tuple[Tensor, Tensor]]:
+def norm_proxy_factors(
+    views: Sequence[Tensor], mean_sq_norms: Tensor, norms: Tensor | None = None
+) -> list[tuple[Tensor, Tensor]]:
     """Rescale each implied gradient in place to the norm ``sqrt(mean_sq_norms[i])``.
 
     Returns, per tensor, the factor applied and the norm handed on (the view's own norm where the
     factor is 1: a zero, non-finite or missing norm, or one so small that the factor overflows,
     leaves the view as it is). The per-tensor norms and factors are computed as vectors (a few
     calls for all tensors), the views scaled by :func:`~hf_zeroone._tensors.apply_per_tensor`.
+    ``norms``: the views' :func:`float32_norms`, where already known.
     """
     views = list(views)
     if not views:
         return []
-    norms = float32_norms(views)
+    norms = float32_norms(views) if norms is None else norms
     mean_sq = mean_sq_norms.to(device=norms.device, dtype=torch.float32)
     root = mean_sq.sqrt()
     ratio = root / norms  # inf for a subnormal norm: such a view is left as it is too

@@ -222,17 +222,24 @@ class Messages:
         local gradients' noise excess (see :mod:`._grad_scale`).
         """
         opt, n = self.opt, len(params)
+        norms = None  # the implied gradients' norms, where one group's pass gave them
         if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):  # out of the units of write()
-            for group, ps, vs in opt.grouped(params, views):
+            momentum = kind is StepKind.ONEBIT_MOMENTUM
+            groups = opt.grouped(params, views)
+            for group, ps, vs in groups:
                 dens, stats = opt.plain_denominators(group, ps, opt._coefficients(group, kind)[1])
                 # a combined momentum becomes the gradient it implies (F.implied_gradients)
-                momenta = [opt.state[p]["exp_avg"] for p in ps] if kind is StepKind.ONEBIT_MOMENTUM else None
-                F.from_update_units(vs, dens, stats.means, implied_from=momenta, beta1=group["betas"][0])
+                momenta = [opt.state[p]["exp_avg"] for p in ps] if momentum else None
+                norms = F.from_update_units(
+                    vs, dens, stats.means, implied_from=momenta, beta1=group["betas"][0],
+                    norms=momentum and len(groups) == 1,
+                )  # fmt: skip
         if kind is StepKind.ONEBIT_SYNC:  # out of the units of write()
             apply_per_tensor("mul", list(views), self.sync_units(params), in_place=True)
         rest = lane
         if kind is StepKind.ONEBIT_MOMENTUM:
-            for p, entry in zip(params, F.norm_proxy_factors(views, self._averaged_sq_norms(params, rest[:n]))):
+            averaged = self._averaged_sq_norms(params, rest[:n])
+            for p, entry in zip(params, F.norm_proxy_factors(views, averaged, norms)):
                 self.norm_proxy_factors[p] = entry
             rest = rest[n:]
         if opt.follow_gradient_scale and (
@@ -327,8 +334,16 @@ class Messages:
     def undo_norm_proxies(self, params: Sequence[Tensor], values: Sequence[Tensor]) -> list[Tensor]:
         """Each implied gradient back from what :meth:`finish` handed on (and clipping left), or each local one.
 
+        New tensors where a factor is divided out (:meth:`norm_proxy_divisors`); the others as they are.
+        """
+        return F.divided(values, self.norm_proxy_divisors(params, values))
+
+    def norm_proxy_divisors(self, params: Sequence[Tensor], values: Sequence[Tensor]) -> list[Tensor | None]:
+        """What divides each value back into an implied gradient (or a local one), ``None`` where nothing does.
+
         A local gradient (:meth:`hand_on_local_gradients`) is only scaled back. A parameter without
-        a factor this step keeps its value.
+        a factor this step keeps its value. Each divisor is the factor in its value's dtype; ``step()``
+        divides 1-bit Adam's float32 values inside the update (:func:`._functional.adam_update`).
 
         If clipping cut an implied gradient to less than ``_SPIKE_CLIP`` of its norm (a spike, not
         the routine clipping of a run whose gradients hover above the threshold), the
@@ -338,7 +353,8 @@ class Messages:
         discards the compression residuals error feedback needs. The fraction is noted here and
         acted on by :meth:`contain_spikes`, which reads all of a step's fractions on the host at once.
         """
-        out, index, factors, measured, handed = list(values), [], [], [], []
+        divisors: list[Tensor | None] = [None] * len(values)
+        measured, handed = [], []
         for i, (p, value) in enumerate(zip(params, values)):
             entry = self.norm_proxy_factors.pop(p, None)
             if entry is None:
@@ -347,18 +363,14 @@ class Messages:
             if handed_norm is not None:  # an implied gradient, not a local one (hand_on_local_gradients)
                 measured.append(i)
                 handed.append(handed_norm)
-            index.append(i)
-            factors.append(factor.to(value.dtype))
+            divisors[i] = factor.to(value.dtype)
         if measured:  # the norms clipping left over the norms handed on, as one vector for all tensors
             clipped = norm_left(float32_norms([values[i] for i in measured]), torch.stack(handed).to(torch.float32))
             chosen = [params[i] for i in measured]
             for p, kept in zip(chosen, kept_fraction(clipped).unbind()):
                 self.opt.gradient_scale.note_kept(p, kept)
             self._clip_fractions.append((chosen, clipped))
-        if index:
-            for i, value in zip(index, apply_per_tensor("div", [values[i] for i in index], factors, in_place=False)):
-                out[i] = value
-        return out
+        return divisors
 
     def contain_spikes(self) -> None:
         """Scale the error buffers of the parameters :meth:`undo_norm_proxies` found spiked.

@@ -258,6 +258,35 @@ void hz_update_unit_messages(int64_t n, float **grads, float **clip_dens, float 
     }
 }
 
+/* hz_update_unit_messages, and from the same pass each gradient's norm (when g_norms is given) and the norm of
+ * its masked ratios g / d (hz_masked_ratio_norm2: 0 where d < floor[t] when masked[t]), both in hz_norm2's
+ * order, a block at a time while the block is in cache. */
+void hz_update_unit_messages_norms(int64_t n, float **grads, float **clip_dens, float **exp_avgs, float **dens,
+                                   float **out, const int64_t *numel, float bound, float weight, const float *means,
+                                   const float *floor, const uint8_t *masked, float *g_norms, float *r_norms) {
+    float block[HZ_BLOCK];
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t size = numel[t];
+        hz_norm_run g_run = hz_norm_begin(size), r_run = hz_norm_begin(size);
+        for (int64_t start = 0; start < size; start += HZ_BLOCK) {
+            int64_t count = size - start < HZ_BLOCK ? size - start : HZ_BLOCK;
+            float *g = grads[t] + start, *d = dens[t] + start, *o = out[t] + start;
+            float *c = clip_dens ? clip_dens[t] + start : 0, *m = exp_avgs ? exp_avgs[t] + start : 0;
+            hz_update_unit_messages(1, &g, clip_dens ? &c : 0, exp_avgs ? &m : 0, &d, &o, &count, bound, weight,
+                                    means + t);
+            if (g_norms) hz_norm_feed(&g_run, g, start, count);
+            float *r = block;
+            hz_masked_ratios(1, &g, &d, &r, &count, floor + t, masked + t);
+            hz_norm_feed(&r_run, block, start, count);
+            if (start + count == size) /* the last block: the ratios' tail is on the stack */
+                r_norms[t] = size == 1 ? fabsf(block[0])
+                                       : hz_norm2_finish(r_run.acc, block + (r_run.body - start), size - r_run.body);
+        }
+        if (size == 0) r_norms[t] = 0.0f;
+        if (g_norms) g_norms[t] = hz_norm_end(&g_run, grads[t]);
+    }
+}
+
 /* The combined message out of the units of the update, in place: v = (v * d) / mean (torch's
  * multiplication and division by a 0-dim mean); then, when exp_avgs is given, the gradient a
  * combined momentum implies, v = lerp(m, v, weight) with weight 1 / (1 - beta1). */

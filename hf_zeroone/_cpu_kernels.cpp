@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "_cpu_kernels.c"
@@ -17,6 +18,8 @@
 namespace {
 
 using Tensors = std::vector<at::Tensor>;
+
+bool overlaps(const at::Tensor& a, const at::Tensor& b);
 
 // Pointers and element counts of `ts`, or false when one does not qualify (see the file's comment).
 bool walk(const Tensors& ts, int64_t limit, std::vector<float*>& ptrs, std::vector<int64_t>& counts) {
@@ -228,6 +231,35 @@ bool update_unit_messages(const Tensors& grads, const Tensors& clip_dens, const 
     return true;
 }
 
+// update_unit_messages, and from the same pass each gradient's norm (with `grad_norms`) and the norm of its masked
+// ratios g / d (masked_ratio_norms' own-norm form); the caller has checked hz_norm2's order. Returns (the gradients'
+// norms or an undefined tensor, the ratios' norms).
+std::optional<std::tuple<at::Tensor, at::Tensor>> update_unit_messages_norms(
+    const Tensors& grads, const Tensors& clip_dens, const Tensors& exp_avgs, const Tensors& dens, const Tensors& outs,
+    double bound, double weight, const at::Tensor& means, const at::Tensor& floors_, const std::vector<bool>& masked,
+    bool grad_norms, int64_t limit) {
+    std::vector<float*> g, c, m, d, o;
+    std::vector<int64_t> n;
+    auto mean = per_tensor(means, grads.size());
+    auto floors = per_tensor(floors_, grads.size());
+    if (grads.empty() || mean.empty() || floors.empty() || masked.size() != grads.size() ||
+        !walk(grads, limit, g, n) || !walk_paired(dens, limit, n, d) || !walk_paired(outs, limit, n, o) ||
+        (!clip_dens.empty() && !walk_paired(clip_dens, limit, n, c)) ||
+        (!exp_avgs.empty() && !walk_paired(exp_avgs, limit, n, m)))
+        return std::nullopt;
+    for (size_t t = 0; t < grads.size(); t++)
+        if (overlaps(grads[t], outs[t])) return std::nullopt;  // the ratios read g after the message is written
+    std::vector<uint8_t> flags(masked.begin(), masked.end());
+    at::Tensor r_norms = at::empty({(int64_t)grads.size()}, grads[0].options());
+    at::Tensor g_norms = grad_norms ? at::empty({(int64_t)grads.size()}, grads[0].options()) : at::Tensor();
+    hz_update_unit_messages_norms((int64_t)grads.size(), g.data(), c.empty() ? nullptr : c.data(),
+                                  m.empty() ? nullptr : m.data(), d.data(), o.data(), n.data(), (float)bound,
+                                  (float)weight, mean.data(), floors.data(), flags.data(),
+                                  grad_norms ? g_norms.data_ptr<float>() : nullptr, r_norms.data_ptr<float>());
+    bump_versions(outs);
+    return std::make_tuple(g_norms, r_norms);
+}
+
 bool from_update_units(const Tensors& values, const Tensors& dens, const Tensors& exp_avgs, const at::Tensor& means,
                        double weight, int64_t limit) {
     std::vector<float*> v, d, m;
@@ -437,4 +469,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("from_update_units_norms", &from_update_units_norms);
     m.def("decompress_sum_norms", &decompress_sum_norms);
     m.def("add_masked_norms", &add_masked_norms);
+    m.def("update_unit_messages_norms", &update_unit_messages_norms);
 }

@@ -76,6 +76,7 @@ __all__ = [
     "scaled_denominators_",
     "split_denominators_",
     "update_unit_messages_",
+    "update_unit_messages_norms_",
 ]
 
 _SOURCES = (Path(__file__).with_name("_cpu_kernels.cpp"), Path(__file__).with_name("_cpu_kernels.c"))
@@ -396,6 +397,40 @@ def update_unit_messages_(
     return lib is not None and lib.update_unit_messages(
         grads, list(clip_dens or []), list(exp_avgs or []), list(dens), list(outs), bound, weight, means, _limit()
     )
+
+
+def update_unit_messages_norms_(
+    grads: Sequence[Tensor],
+    clip_dens: Sequence[Tensor] | None,
+    exp_avgs: Sequence[Tensor] | None,
+    dens: Sequence[Tensor],
+    outs: Sequence[Tensor],
+    bound: float,
+    weight: float,
+    means: Tensor,
+    floors: Tensor,
+    masked: Sequence[bool],
+    grad_norms: bool,
+) -> tuple[Tensor | None, Tensor] | None:
+    """:func:`update_unit_messages_`, and from the same pass the norms the exact lane carries.
+
+    Returns each gradient's 2-norm (with ``grad_norms``, else ``None``) and the 2-norm of its masked
+    ratios ``g / d`` (:func:`masked_ratio_norms` with ``floors`` and ``masked``), both
+    ``torch._foreach_norm``'s bits; ``None`` (nothing written) where the kernels do not take the
+    lists or the library's norm is off (:func:`norms`).
+    """
+    grads = list(grads)
+    lib = _ready(grads)
+    if lib is None or not _own_norm:
+        return None
+    found = lib.update_unit_messages_norms(
+        grads, list(clip_dens or []), list(exp_avgs or []), list(dens), list(outs), bound, weight, means, floors,
+        [bool(m) for m in masked], grad_norms, _limit(),
+    )  # fmt: skip
+    if found is None:
+        return None
+    g_norms, r_norms = found
+    return (g_norms if grad_norms else None), r_norms
 
 
 def from_update_units_(

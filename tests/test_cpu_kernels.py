@@ -244,6 +244,21 @@ def test_the_norms_fused_into_the_passes_are_torchs_bits(kernels):  # noqa: ANN0
     assert _same(lib.masked_ratio_norms(grads, ratio_dens, floors, masked, False, 0),
                  torch.stack(torch._foreach_norm(ratios)))  # fmt: skip
 
+    # the messages with the lane's norms: the gradients' and their masked ratios'
+    clip = [d * 0.5 for d in ratio_dens]
+    for clip_dens, exp_avgs, grad_norms in ((clip, momenta, True), (None, None, False)):
+        fused, plain = [torch.empty_like(g) for g in grads], [torch.empty_like(g) for g in grads]
+        found = _cpu_kernels.update_unit_messages_norms_(
+            grads, clip_dens, exp_avgs, ratio_dens, fused, 31.6, 0.1, means, floors, masked, grad_norms
+        )  # fmt: skip
+        assert _cpu_kernels.update_unit_messages_(grads, clip_dens, exp_avgs, ratio_dens, plain, 31.6, 0.1, means)
+        assert all(map(_same, fused, plain))
+        assert _same(found[1], torch.stack(torch._foreach_norm(ratios)))
+        assert _same(found[0], torch.stack(torch._foreach_norm(grads))) if grad_norms else found[0] is None
+    assert _cpu_kernels.update_unit_messages_norms_(  # the ratios read g after the message: no aliases taken
+        grads, None, None, ratio_dens, grads, 31.6, 0.1, means, floors, masked, False
+    ) is None  # fmt: skip
+
 
 def test_a_norm_in_another_order_is_not_used_and_the_samples_stay_torchs(kernels, monkeypatch):  # noqa: ANN001
     """The check finds a library norm that sums in another order; the ratios' norms then come from torch's."""
@@ -455,14 +470,14 @@ def test_a_two_rank_hook_run_is_the_same_run_with_the_kernels_and_without(kernel
     fused = run_ranks(_hook_run, 2, name, True, masked, timeout=300)
     plain = run_ranks(_hook_run, 2, name, False, masked, timeout=300)
     taken = fused[0][3]
-    used = {"update_unit_messages", "pack_signs", "compression_error", "decompress"}
+    used = {"pack_signs", "compression_error", "decompress"}
     if name == "ZeroOneAdam":
         used |= {"apply_sync", "from_update_units"}
     if fused[0][4]:  # the library's own norm passed its check: norms from the passes that write what they measure
-        used |= {"add_masked_norms", "decompress_sum_norms"}
-        used |= {"from_update_units_norms", "norms"} if name == "OneBitAdam" else set()  # and the lanes' norms
+        used |= {"add_masked_norms", "decompress_sum_norms", "update_unit_messages_norms"}
+        used |= {"from_update_units_norms", "norms"} if name == "OneBitAdam" else set()  # norms clipping left
     else:
-        used |= {"decompress_sum", "from_update_units"} | ({"add_masked"} if masked else set())
+        used |= {"update_unit_messages", "decompress_sum", "from_update_units"} | ({"add_masked"} if masked else set())
     assert set(taken) >= used, sorted(taken.items())  # each kernel of the 1-bit path ran
     kinds = set(fused[0][2])
     assert kinds >= ({"onebit_momentum"} if name == "OneBitAdam" else {"onebit_gradient", "local", "onebit_sync"})

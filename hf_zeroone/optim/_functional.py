@@ -328,7 +328,8 @@ def update_unit_messages(
     beta1: float = 0.0,
     units: tuple[Sequence[Tensor], Tensor] | None = None,
     l2: tuple[Sequence[Tensor], float] | None = None,
-) -> None:
+    measure: tuple[Tensor, Sequence[bool], bool] | None = None,
+) -> tuple[Tensor | None, Tensor] | None:
     """1-bit gradient or momentum messages into ``outs``: the chain of :class:`~._messages.Messages.write`.
 
     Each gradient clipped to the variance (:func:`clip_to_variance`, with ``clip_dens``; not when
@@ -336,15 +337,27 @@ def update_unit_messages(
     turned into a momentum message when ``exp_avgs`` is given (:func:`momentum_messages`), then put
     in units of the update when ``units`` (the plain denominators and their means,
     :func:`to_update_units`). On the CPU, without an L2 term and in units, one pass per tensor.
+
+    ``measure``: ``(floors, masked, grad_norms)``; where the CPU kernels take them from the same pass,
+    returns what the exact lane will carry: each gradient's :func:`float32_norms` (with
+    ``grad_norms``, else ``None``) and the norm of its masked ratios to ``units``' denominators
+    (:func:`._grad_scale.scale_samples`). ``None`` otherwise: the caller measures.
     """
     grads, outs = list(grads), list(outs)
     if units is not None and l2 is None:
         dens, means = units
         weight = 1.0 - beta1
+        if measure is not None:
+            floors, masked, grad_norms = measure
+            found = _cpu_kernels.update_unit_messages_norms_(
+                grads, clip_dens, exp_avgs, dens, outs, variance_bound(beta2), weight, means, floors, masked, grad_norms
+            )  # fmt: skip
+            if found is not None:
+                return found
         if _cpu_kernels.update_unit_messages_(
             grads, clip_dens, exp_avgs, dens, outs, variance_bound(beta2), weight, means
         ):  # fmt: skip
-            return
+            return None
     if clip_dens is not None:
         grads = clip_to_variance(grads, clip_dens, beta2)
     if l2 is not None:
@@ -355,6 +368,7 @@ def update_unit_messages(
         momentum_messages(exp_avgs, grads, beta1, outs)
     if units is not None:
         to_update_units(outs, *units)
+    return None
 
 
 def variance_bound(beta2: float) -> float:
@@ -401,8 +415,13 @@ def implied_gradients(exp_avgs: Sequence[Tensor], combined: Sequence[Tensor], be
         torch.lerp(m.to(out.dtype), out, 1.0 / (1.0 - beta1), out=out)
 
 
-def local_sq_norms(grads: Sequence[Tensor | None]) -> Tensor:
-    """``||g||^2`` of each local gradient (0 for ``None``), as one float32 vector (:func:`float32_norms`)."""
+def local_sq_norms(grads: Sequence[Tensor | None], norms: Tensor | None = None) -> Tensor:
+    """``||g||^2`` of each local gradient (0 for ``None``), as one float32 vector (:func:`float32_norms`).
+
+    ``norms``: the norms of every gradient (none ``None``), where already known.
+    """
+    if norms is not None:
+        return norms.square()
     device = next((g.device for g in grads if g is not None), torch.device("cpu"))
     present = [g for g in grads if g is not None]
     if not present:

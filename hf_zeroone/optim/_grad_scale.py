@@ -189,6 +189,7 @@ def scale_samples(
     counts: Tensor,
     idle: Sequence[bool] | None,
     eps: float = 0.0,
+    ratio_norms: Tensor | None = None,
 ) -> Tensor:
     """``q``: each gradient's mean square once normalised by the variance, as one float32 vector.
 
@@ -198,8 +199,11 @@ def scale_samples(
     element by element, so that a few elements with large gradients do not speak for the whole
     tensor, and elements with next to no variance do not either. ``idle``: per tensor, whether
     any element is inactive (``None``: unknown, every tensor is masked). The tensors are one
-    parameter group's.
+    parameter group's. ``ratio_norms``: the norms of the masked ratios, where a pass that read the
+    gradients measured them already (:func:`._functional.update_unit_messages`).
     """
+    if ratio_norms is not None:
+        return ratio_norms.square().div_(counts)
     grads, dens = F.as_dtype(grads, torch.float32), list(dens)
     floors = idle_floors(means, eps)
     on_cpu = not dens or not stacks_by_shape(dens[0].device)

@@ -57,6 +57,11 @@ _SPIKE_CLIP = 0.1
 _ERROR_BUFFERS = ("worker_error", "server_error")
 
 
+def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """The same objects in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 class Messages:
     """The message protocol of one :class:`~hf_zeroone.optim.CompressedAdamBase` (its ``messages``).
 
@@ -73,6 +78,8 @@ class Messages:
         self._clip_fractions: list[tuple[list[Tensor], Tensor]] = []
         #: per parameter, the mean over ranks of the local samples summed since the last sync
         self.pending_means: dict[Tensor, Tensor] = {}
+        #: what the last write() measured for its lane: (kind, params, grads, (gradient norms or None, ratio norms))
+        self._measured: tuple | None = None
 
     def write(
         self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None], outs: Sequence[Tensor],
@@ -100,7 +107,9 @@ class Messages:
             return
         for p, g in zip(params, grads):  # ONEBIT_GRADIENT, ONEBIT_MOMENTUM
             _masks.note_activity(state[p], g)
-        for group, ps, items in opt.grouped(params, list(zip(grads, outs))):
+        groups = opt.grouped(params, list(zip(grads, outs)))
+        self._measured = None
+        for group, ps, items in groups:
             gs, os_ = [g for g, _ in items], [o for _, o in items]
             c2 = opt._coefficients(group, kind)[1]
             # on the CPU with the plain denominators of the units from the same sqrt(v) (finish releases
@@ -113,13 +122,21 @@ class Messages:
             )
             momentum = kind is StepKind.ONEBIT_MOMENTUM
             l2 = momentum and group["weight_decay"] and not group["decoupled_weight_decay"]
+            measure = None
             if units:
                 dens, stats = opt.plain_denominators(group, ps, c2)
-            F.update_unit_messages(
+                # the lane's norms (lane()) from the messages' pass, where it measures one group's samples
+                if len(groups) == 1 and opt.follow_gradient_scale and c2 == opt._variance_correction(group):
+                    masked = [True] * len(ps) if stats.idle is None else stats.idle
+                    measure = (_grad_scale.idle_floors(stats.means, stats.idle_eps), masked, momentum)
+            found = F.update_unit_messages(
                 gs, os_, group["betas"][1], clip_dens,
                 exp_avgs=[state[p]["exp_avg"] for p in ps] if momentum else None, beta1=group["betas"][0],
                 units=(dens, stats.means) if units else None, l2=(ps, group["weight_decay"]) if l2 else None,
+                measure=measure,
             )  # fmt: skip
+            if found is not None:
+                self._measured = (kind, ps, gs, found)
 
     def errors_to_gradient_units(self, group: dict[str, Any], params: Sequence[Tensor]) -> list[Tensor]:
         """Before ``v`` changes: each error buffer of ``params`` into gradient units, in place; the parameters with one.
@@ -166,15 +183,23 @@ class Messages:
             factors.update(zip(map(id, ps), opt.scale_factors(group, ps) or [None] * len(ps)))
         return _local_phase.per_lr_units([opt.state[p] for p in params], [factors[id(p)] for p in params])
 
-    def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
-        """Samples of ``follow_gradient_scale`` from local gradients (:func:`._grad_scale.scale_samples`), in order."""
+    def scale_samples(
+        self, params: Sequence[Tensor], grads: Sequence[Tensor | None], ratio_norms: Tensor | None = None
+    ) -> Tensor:
+        """Samples of ``follow_gradient_scale`` from local gradients (:func:`._grad_scale.scale_samples`), in order.
+
+        ``ratio_norms``: one group's norms of the masked ratios, measured already (:meth:`write`).
+        """
         opt = self.opt
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         out: dict[int, Tensor] = {}
         groups = opt.grouped(params, grads)
         for group, ps, gs in groups:
             dens, stats = opt.plain_denominators(group, ps, opt._variance_correction(group))
-            values = _grad_scale.scale_samples(gs, dens, stats.means, stats.counts, stats.idle, stats.idle_eps)
+            values = _grad_scale.scale_samples(
+                gs, dens, stats.means, stats.counts, stats.idle, stats.idle_eps,
+                ratio_norms=ratio_norms if len(groups) == 1 else None,
+            )  # fmt: skip
             if len(groups) == 1:  # one group's tensors, in the order asked
                 return values
             out.update(zip(map(id, ps), values.unbind()))
@@ -191,12 +216,16 @@ class Messages:
         last agreement (:mod:`._masks`). Call it after :meth:`write` (which notes that activity).
         """
         parts = []
+        grad_norms = ratio_norms = None
+        measured, self._measured = self._measured, None
+        if measured is not None and measured[0] is kind and _same(measured[1], params) and _same(measured[2], grads):
+            grad_norms, ratio_norms = measured[3]  # from write()'s pass over these very gradients
         if kind is StepKind.ONEBIT_MOMENTUM:
-            parts.append(F.local_sq_norms(grads))
+            parts.append(F.local_sq_norms(grads, grad_norms))
         if self.opt.follow_gradient_scale and (
             kind.communicates_in_backward and (kind.compressed or self.opt.comm.is_distributed)
         ):
-            parts.append(self.scale_samples(params, grads))
+            parts.append(self.scale_samples(params, grads, ratio_norms))
         if kind is StepKind.ONEBIT_SYNC and self.opt.follow_gradient_scale:  # the interval's local samples
             parts.append(torch.stack([self.opt.gradient_scale.pending(self.opt.state[p], p) for p in params]))
         if kind.compressed:

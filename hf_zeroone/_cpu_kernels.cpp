@@ -358,17 +358,22 @@ bool decompress(const at::Tensor& packed, const at::Tensor& scales, const std::v
     return true;
 }
 
-// rows: (P, row bytes), each row's first bytes the packed signs of one copy of the chunk; scales: P x segments.
+// Whether the server's sum takes these: rows (P, row bytes), each row's first bytes the packed signs of one copy of
+// the chunk; scales: P x segments.
+bool sum_takes(const at::Tensor& rows, const at::Tensor& scales, const std::vector<int64_t>& bounds,
+               const at::Tensor& error, const at::Tensor& mask, const at::Tensor& out, int64_t limit) {
+    return plain(rows, at::kByte, 0) && rows.dim() == 2 && plain(scales, at::kFloat, 0) &&
+           plain(error, at::kFloat, limit) && plain(out, at::kFloat, limit) && error.numel() == out.numel() &&
+           bounds.size() >= 1 && scales.numel() == rows.size(0) * (int64_t)(bounds.size() - 1) &&
+           valid_bounds(bounds, out.numel(), (int64_t)bounds.size() - 1) && rows.size(0) >= 1 &&
+           rows.size(1) * 8 >= out.numel() && !overlaps(error, out) && mask_ok(mask, out.numel(), limit);
+}
+
 bool decompress_sum(const at::Tensor& rows, const at::Tensor& scales, const std::vector<int64_t>& bounds,
                     const at::Tensor& error, const std::optional<at::Tensor>& mask_, const at::Tensor& out,
                     int64_t limit) {
     at::Tensor mask = mask_.value_or(at::Tensor());
-    if (!plain(rows, at::kByte, 0) || rows.dim() != 2 || !plain(scales, at::kFloat, 0) ||
-        !plain(error, at::kFloat, limit) || !plain(out, at::kFloat, limit) || error.numel() != out.numel() ||
-        bounds.size() < 1 || scales.numel() != rows.size(0) * (int64_t)(bounds.size() - 1) ||
-        !valid_bounds(bounds, out.numel(), (int64_t)bounds.size() - 1) || rows.size(0) < 1 ||
-        rows.size(1) * 8 < out.numel() || overlaps(error, out) || !mask_ok(mask, out.numel(), limit))
-        return false;
+    if (!sum_takes(rows, scales, bounds, error, mask, out, limit)) return false;
     hz_decompress_sum(rows.data_ptr<uint8_t>(), rows.size(0), rows.size(1), (int64_t)bounds.size() - 1, bounds.data(),
                       scales.data_ptr<float>(), error.data_ptr<float>(), mask_ptr(mask), out.data_ptr<float>());
     bump_versions({out});
@@ -381,12 +386,7 @@ std::optional<at::Tensor> decompress_sum_norms(const at::Tensor& rows, const at:
                                                const std::optional<at::Tensor>& mask_, int64_t zero_from,
                                                const at::Tensor& out, int64_t limit) {
     at::Tensor mask = mask_.value_or(at::Tensor());
-    if (!plain(rows, at::kByte, 0) || rows.dim() != 2 || !plain(scales, at::kFloat, 0) ||
-        !plain(error, at::kFloat, limit) || !plain(out, at::kFloat, limit) || error.numel() != out.numel() ||
-        bounds.size() < 1 || scales.numel() != rows.size(0) * (int64_t)(bounds.size() - 1) ||
-        !valid_bounds(bounds, out.numel(), (int64_t)bounds.size() - 1) || rows.size(0) < 1 ||
-        rows.size(1) * 8 < out.numel() || overlaps(error, out) || !mask_ok(mask, out.numel(), limit))
-        return std::nullopt;
+    if (!sum_takes(rows, scales, bounds, error, mask, out, limit)) return std::nullopt;
     at::Tensor norms = at::empty({(int64_t)bounds.size() - 1}, out.options());
     hz_decompress_sum_norms(rows.data_ptr<uint8_t>(), rows.size(0), rows.size(1), (int64_t)bounds.size() - 1,
                             bounds.data(), scales.data_ptr<float>(), error.data_ptr<float>(), mask_ptr(mask),

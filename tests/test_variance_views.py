@@ -124,8 +124,8 @@ def test_reusing_what_a_frozen_variance_gives_changes_no_bit_of_training(cls, kw
     assert all(torch.equal(a, b) for a, b in zip(cached, fresh))
 
 
-def _train_two_ranks(rank, world, cls_name, kwargs, cached):
-    """Through the DDP hook on 2 ranks (1-bit messages in update units, lanes, error buffers): final parameters."""
+def _hooked_steps(rank, cls_name, kwargs, step):
+    """40 steps through the DDP hook on 2 ranks (several buckets), ``step(opt)`` taking each: the final parameters."""
     import warnings
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -133,24 +133,33 @@ def _train_two_ranks(rank, world, cls_name, kwargs, cached):
     import hf_zeroone
     from hf_zeroone import register_zeroone_hook
 
-    if not cached:
-        VarianceViews._valid = staticmethod(lambda table, p, key: None)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
     ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
     opt = getattr(hf_zeroone, cls_name)(ddp.parameters(), lr=1e-2, **kwargs)
     register_zeroone_hook(ddp, opt)
     gen = torch.Generator().manual_seed(1 + rank)
-    kinds = set()
     for _ in range(40):
         x = torch.randn(8, 16, generator=gen)
         opt.zero_grad()
         (ddp(x) - x.flip(1)).pow(2).mean().backward()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            opt.step()
+            step(opt)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train_two_ranks(rank, world, cls_name, kwargs, cached):
+    """Through the DDP hook on 2 ranks (1-bit messages in update units, lanes, error buffers): final parameters."""
+    if not cached:
+        VarianceViews._valid = staticmethod(lambda table, p, key: None)
+    kinds = set()
+
+    def step(opt):
+        opt.step()
         kinds.add(opt.last_step_kind.value)
-    return [p.detach().clone() for p in model.parameters()], sorted(kinds)
+
+    return _hooked_steps(rank, cls_name, kwargs, step), sorted(kinds)
 
 
 @pytest.mark.parametrize(
@@ -194,12 +203,6 @@ def test_handed_denominators_are_taken_once_and_only_while_what_made_them_stands
 def _sqrts_in_step(rank, world, cls_name, kwargs, handed):
     """Through the DDP hook on 2 ranks: the square roots step() takes per step kind, and the final parameters."""
     import collections
-    import warnings
-
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import hf_zeroone
-    from hf_zeroone import register_zeroone_hook
 
     if not handed:
         HandedDenominators.keep = lambda self, *args: None
@@ -209,26 +212,17 @@ def _sqrts_in_step(rank, world, cls_name, kwargs, handed):
         counts["now"] += in_step[0]
         return sqrt(tensors)
 
-    torch._foreach_sqrt = counted
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
-    ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
-    opt = getattr(hf_zeroone, cls_name)(ddp.parameters(), lr=1e-2, **kwargs)
-    register_zeroone_hook(ddp, opt)
-    gen = torch.Generator().manual_seed(1 + rank)
-    for _ in range(40):
-        x = torch.randn(8, 16, generator=gen)
-        opt.zero_grad()
-        (ddp(x) - x.flip(1)).pow(2).mean().backward()
+    def step(opt):
         in_step[0], counts["now"] = True, 0
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            opt.step()
+        opt.step()
         in_step[0] = False
         counts[opt.last_step_kind.value] += counts["now"]
         counts[f"steps {opt.last_step_kind.value}"] += 1
+
+    torch._foreach_sqrt = counted
+    params = _hooked_steps(rank, cls_name, kwargs, step)
     del counts["now"]
-    return [p.detach().clone() for p in model.parameters()], dict(counts)
+    return params, dict(counts)
 
 
 @pytest.mark.parametrize(

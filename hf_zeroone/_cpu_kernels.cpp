@@ -248,7 +248,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> update_unit_messages_norms(
         (!exp_avgs.empty() && !walk_paired(exp_avgs, limit, n, m)))
         return std::nullopt;
     for (size_t t = 0; t < grads.size(); t++)
-        if (overlaps(grads[t], outs[t])) return std::nullopt;  // the ratios read g after the message is written
+        if (overlaps(grads[t], outs[t]) || overlaps(dens[t], outs[t]))
+            return std::nullopt;  // the ratios read g and d after the message is written
     std::vector<uint8_t> flags(masked.begin(), masked.end());
     at::Tensor r_norms = at::empty({(int64_t)grads.size()}, grads[0].options());
     at::Tensor g_norms = grad_norms ? at::empty({(int64_t)grads.size()}, grads[0].options()) : at::Tensor();

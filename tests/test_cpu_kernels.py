@@ -185,7 +185,7 @@ def _segments_of(sizes, seed: int):  # noqa: ANN001, ANN202
 
 
 #: segments around the fused loops' blocks (2048 elements) and the norm's lanes (8)
-_BLOCKED = (0, 1, 7, 8, 9, 2047, 2048, 2049, 4101, 6144, 5, 0, 12)
+_BLOCKED = (0, 1, 7, 8, 9, 2047, 2048, 2049, 2061, 4101, 4109, 6144, 5, 0, 12)
 
 
 def test_the_norms_fused_into_the_passes_are_torchs_bits(kernels):  # noqa: ANN001
@@ -313,6 +313,26 @@ def test_the_adam_update_is_torchs_bits_and_counts_as_in_place(kernels, monkeypa
     plain = run()
     assert all(map(_same, fused[0], plain[0])) and all(map(_same, fused[1], plain[1]))
     assert all(bumped > 0 for bumped in fused[2])  # autograd sees the parameters written in place
+
+
+def test_dividing_inside_the_update_is_dividing_first(kernels, monkeypatch):  # noqa: ANN001
+    """The norm proxies' divisors applied in the update's pass: the bits of torch's division, then the update."""
+    grads, roots = _lists(3, sizes=(0, 1, 7, 9, 1000, 4099))
+    grads = [g.nan_to_num(0.0, 1e3, -1e3) for g in grads]
+    divisors = torch.tensor([0.37, 3.0, 1.0, 1e-3, 0.5, 2.5])
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.randn(g.shape, generator=gen) for g in grads]
+    momenta = [torch.randn(g.shape, generator=gen) for g in grads]
+    dens = [r + 1e-3 for r in roots]
+    fused_p, fused_m = [p.clone() for p in params], [m.clone() for m in momenta]
+    assert _cpu_kernels.adam_update_(fused_p, grads, fused_m, dens, 0.1, 0.999, -1e-3, divisors)
+    _kernels_off(monkeypatch)
+    plain_p, plain_m = [p.clone() for p in params], [m.clone() for m in momenta]
+    divided = torch._foreach_div(grads, list(divisors.unbind()))
+    torch._foreach_lerp_(plain_m, divided, 0.1)
+    torch._foreach_mul_(plain_p, 0.999)
+    torch._foreach_addcdiv_(plain_p, plain_m, dens, value=-1e-3)
+    assert all(map(_same, fused_m, plain_m)) and all(map(_same, fused_p, plain_p))
 
 
 def test_the_sync_arithmetic_is_torchs_bits_also_for_products_that_underflow(kernels, monkeypatch):  # noqa: ANN001

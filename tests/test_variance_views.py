@@ -196,8 +196,29 @@ def test_handed_denominators_are_taken_once_and_only_while_what_made_them_stands
     handed.keep(params, vs, context, factors, dens)
     assert handed.take(params, [v.clone() for v in vs], context, factors) == [None] * 4  # other tensors (a load)
     handed.keep(params, vs, context, factors, dens)
+    other = [None, factors[1], torch.tensor(1.0), torch.tensor(2.0)]  # a factor where none was, and none where one was
+    assert handed.take(params, vs, context, other) == [None, dens[1], None, dens[3]]
+    nan = [torch.tensor(float("nan")), factors[1], None, factors[3]]
+    handed.keep(params, vs, context, nan, dens)
+    assert handed.take(params, vs, context, nan)[0] is None  # a NaN factor never matches: made afresh
+    for changed in (("onebit_gradient", 0.5, 1e-8), ("onebit_momentum", 0.25, 1e-8)):  # another kind, another c2
+        handed.keep(params, vs, context, factors, dens)
+        assert handed.take(params, vs, changed, factors) == [None] * 4
+    handed.keep(params, vs, context, factors, dens)
     handed.clear()
     assert not handed.held()
+
+
+def test_zero_grad_drops_what_a_hook_kept_for_a_step_never_taken():
+    """A GradScaler skips step() after the hook: zero_grad() forgets its denominators, nothing full-size stays."""
+    model = torch.nn.Linear(64, 64)
+    opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2)
+    params = list(model.parameters())
+    opt.handed_denominators.keep(params, [torch.rand_like(p) for p in params], ("k", 1.0, 1e-8), [None, None],
+                                 [torch.rand_like(p) for p in params])  # fmt: skip
+    assert state_bytes(opt).get("handed_denominators", 0) >= 4 * 64 * 65
+    opt.zero_grad()
+    assert "handed_denominators" not in state_bytes(opt) and not opt.handed_denominators
 
 
 def _sqrts_in_step(rank, world, cls_name, kwargs, handed):
@@ -206,11 +227,18 @@ def _sqrts_in_step(rank, world, cls_name, kwargs, handed):
 
     if not handed:
         HandedDenominators.keep = lambda self, *args: None
-    sqrt, in_step, counts = torch._foreach_sqrt, [False], collections.Counter()
+    from hf_zeroone import _cpu_kernels
+
+    sqrt, ratio_norms = torch._foreach_sqrt, _cpu_kernels.masked_ratio_norms
+    in_step, counts = [False], collections.Counter()
 
     def counted(tensors):
         counts["now"] += in_step[0]
         return sqrt(tensors)
+
+    def counted_ratios(*args):
+        counts["ratios in the hook"] += not in_step[0]
+        return ratio_norms(*args)
 
     def step(opt):
         in_step[0], counts["now"] = True, 0
@@ -218,10 +246,12 @@ def _sqrts_in_step(rank, world, cls_name, kwargs, handed):
         in_step[0] = False
         counts[opt.last_step_kind.value] += counts["now"]
         counts[f"steps {opt.last_step_kind.value}"] += 1
+        counts[f"ratios by {opt.last_step_kind.value}"] += counts.pop("ratios in the hook", 0)
 
-    torch._foreach_sqrt = counted
+    torch._foreach_sqrt, _cpu_kernels.masked_ratio_norms = counted, counted_ratios
     params = _hooked_steps(rank, cls_name, kwargs, step)
     del counts["now"]
+    counts["own norm"] = int(_cpu_kernels._own_norm)
     return params, dict(counts)
 
 
@@ -242,6 +272,9 @@ def test_after_the_hook_step_takes_no_square_root_and_the_bits_stay(cls_name, kw
     assert counts[kind] == 0, counts
     assert fresh_counts[kind] >= counts[f"steps {kind}"], fresh_counts  # step() took its own before
     assert all(torch.equal(a, b) for a, b in zip(handed, fresh))
+    # the lane's ratio norms come from the messages' pass where the library's norm is used, not a second read
+    ratios = counts.get(f"ratios by {kind}", 0)
+    assert ratios == 0 if counts["own norm"] else ratios > 0, counts
 
 
 def test_scale_samples_count_exactly_the_elements_at_or_above_the_idle_floor():

@@ -229,7 +229,10 @@ class CompressedAdamBase(OptimizerBooks):
                 updates = [(g, p, v) for (g, p, _), v in zip(updates, values)]
             if local or (kind is StepKind.ONEBIT_MOMENTUM and hook_done):
                 divisors = self.messages.norm_proxy_divisors([p for _, p, _ in updates], [v for _, _, v in updates])
-                if not local:  # float32 implied gradients are divided inside the update: no divided copy of each
+                # Float32 implied gradients are divided inside the update: no divided copy of each. The
+                # finiteness check below then reads them undivided; a factor only shrinks a norm that
+                # float32 holds (an infinite norm gets factor 1), so their quotients are finite too.
+                if not local:
                     for i, ((_, p, v), d) in enumerate(zip(updates, divisors)):
                         if d is not None and v.dtype == p.dtype == torch.float32:
                             pending[p], divisors[i] = d, None
@@ -373,8 +376,10 @@ class CompressedAdamBase(OptimizerBooks):
         """As :meth:`torch.optim.Optimizer.zero_grad`; also forgets a hook's results never stepped on.
 
         After a step that was not taken (a GradScaler skip), the next gradients must not be taken
-        for combined results unless the hook runs again.
+        for combined results unless the hook runs again; the denominators the hook kept for that
+        step's update (:class:`~._variance_views.HandedDenominators`) are dropped with them.
         """
         self.communicated_step = None
+        self.handed_denominators.clear()
         self.grad_generation += 1
         super().zero_grad(set_to_none=set_to_none)

@@ -57,11 +57,6 @@ _SPIKE_CLIP = 0.1
 _ERROR_BUFFERS = ("worker_error", "server_error")
 
 
-def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
-    """The same objects in the same order."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
 class Messages:
     """The message protocol of one :class:`~hf_zeroone.optim.CompressedAdamBase` (its ``messages``).
 
@@ -78,13 +73,11 @@ class Messages:
         self._clip_fractions: list[tuple[list[Tensor], Tensor]] = []
         #: per parameter, the mean over ranks of the local samples summed since the last sync
         self.pending_means: dict[Tensor, Tensor] = {}
-        #: what the last write() measured for its lane: (kind, params, grads, (gradient norms or None, ratio norms))
-        self._measured: tuple | None = None
 
     def write(
         self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None], outs: Sequence[Tensor],
         units: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> tuple[Tensor | None, Tensor] | None:  # fmt: skip
         """Write what this rank sends for each parameter in a ``kind`` step into ``outs`` (fp32, shaped like it).
 
         On the 1-bit gradient and momentum kinds each local gradient is first clipped to the frozen
@@ -93,30 +86,34 @@ class Messages:
         unless ``units`` is false (one process: nothing is compressed). Reads the optimizer state and
         leaves it unchanged, except for noting which masked rows received a gradient: a step that is
         later skipped (non-finite gradients, a GradScaler overflow) leaves no other trace.
+
+        Returns what :meth:`lane` would measure of these gradients (their norms on 1-bit momentum
+        steps, else ``None``, and their masked ratios' norms), where the CPU kernels took it from the
+        messages' pass (one parameter group); ``None`` otherwise. Pass it on to :meth:`lane`.
         """
         opt, state = self.opt, self.opt.state
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         if kind is StepKind.EXACT:
             torch._foreach_copy_(list(outs), grads)
-            return
+            return None
         if kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
             states = [state[p] for p in params]
             _local_phase.displacements(params, states, outs)
             if units:  # per unit of learning rate, in the frozen variance's units: see _local_phase.per_lr_units
                 apply_per_tensor("div", list(outs), self.sync_units(params), in_place=True)
-            return
+            return None
         for p, g in zip(params, grads):  # ONEBIT_GRADIENT, ONEBIT_MOMENTUM
             _masks.note_activity(state[p], g)
         groups = opt.grouped(params, list(zip(grads, outs)))
-        self._measured = None
+        measured = None
         for group, ps, items in groups:
             gs, os_ = [g for g, _ in items], [o for _, o in items]
             c2 = opt._coefficients(group, kind)[1]
             # on the CPU with the plain denominators of the units from the same sqrt(v) (finish releases
             # them); elsewhere the scaled ones are freed before the plain ones are made (a bucket-sized peak)
             keep_plain = units and F.fuses_on_cpu(ps)
-            clip_dens = (  # the same as the update's: handed on to step() (see HandedDenominators)
-                opt._denominators(group, ps, kind, c2, keep_plain=keep_plain, hand_on=True)
+            clip_dens = (  # the update's too: on the CPU handed on to step() (see HandedDenominators)
+                opt._denominators(group, ps, kind, c2, keep_plain=keep_plain, hand_on=keep_plain)
                 if opt.clip_to_variance
                 else None
             )
@@ -136,7 +133,8 @@ class Messages:
                 measure=measure,
             )  # fmt: skip
             if found is not None:
-                self._measured = (kind, ps, gs, found)
+                measured = found
+        return measured
 
     def errors_to_gradient_units(self, group: dict[str, Any], params: Sequence[Tensor]) -> list[Tensor]:
         """Before ``v`` changes: each error buffer of ``params`` into gradient units, in place; the parameters with one.
@@ -205,7 +203,10 @@ class Messages:
             out.update(zip(map(id, ps), values.unbind()))
         return torch.stack([out[id(p)] for p in params])
 
-    def lane(self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor | None:
+    def lane(
+        self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None],
+        measured: tuple[Tensor | None, Tensor] | None = None,
+    ) -> Tensor | None:  # fmt: skip
         """The floats a ``kind`` step averages exactly beside the messages of ``params`` (its exact lane), or ``None``.
 
         In this order: on 1-bit momentum steps each local gradient's squared norm (clipping sees
@@ -213,13 +214,11 @@ class Messages:
         steps of several ranks, when ``follow_gradient_scale`` is on, its samples (:mod:`._grad_scale`);
         on compressed steps,
         one flag per masked row of ``params``, 1 where this rank's gradients touched it since the
-        last agreement (:mod:`._masks`). Call it after :meth:`write` (which notes that activity).
+        last agreement (:mod:`._masks`). Call it after :meth:`write` (which notes that activity), with
+        what that call returned for the same arguments (``measured``: norms it took already).
         """
         parts = []
-        grad_norms = ratio_norms = None
-        measured, self._measured = self._measured, None
-        if measured is not None and measured[0] is kind and _same(measured[1], params) and _same(measured[2], grads):
-            grad_norms, ratio_norms = measured[3]  # from write()'s pass over these very gradients
+        grad_norms, ratio_norms = measured if measured is not None else (None, None)
         if kind is StepKind.ONEBIT_MOMENTUM:
             parts.append(F.local_sq_norms(grads, grad_norms))
         if self.opt.follow_gradient_scale and (

@@ -252,6 +252,7 @@ def _sqrts_in_step(rank, world, cls_name, kwargs, handed):
     params = _hooked_steps(rank, cls_name, kwargs, step)
     del counts["now"]
     counts["own norm"] = int(_cpu_kernels._own_norm)
+    counts["kernels"] = int(_cpu_kernels._library_or_none() is not None)
     return params, dict(counts)
 
 
@@ -269,6 +270,8 @@ def test_after_the_hook_step_takes_no_square_root_and_the_bits_stay(cls_name, kw
     handed, counts = run_ranks(_sqrts_in_step, 2, cls_name, kwargs, True)[0]
     fresh, fresh_counts = run_ranks(_sqrts_in_step, 2, cls_name, kwargs, False)[0]
     assert counts[f"steps {kind}"] >= 5, counts
+    if not counts["kernels"]:  # without the CPU kernels the hook frees its denominators: step() makes its own
+        pytest.skip("the fused CPU kernels are off on this machine: nothing is handed on")
     assert counts[kind] == 0, counts
     assert fresh_counts[kind] >= counts[f"steps {kind}"], fresh_counts  # step() took its own before
     assert all(torch.equal(a, b) for a, b in zip(handed, fresh))

@@ -159,25 +159,6 @@ float hz_norm2(const float *x, int64_t n) {
     return hz_norm2_finish(hz_lanes_add(hz_no_lanes, x, body), x + body, n - body);
 }
 
-/* hz_norm2 of g / d (0 where d < floor, when masked) without writing the ratios out: made a block at a time
- * on the stack and reduced there, in the same order (hz_masked_ratios' values, hz_norm2's sum). */
-float hz_masked_ratio_norm2(const float *g, const float *d, int64_t n, float floor, uint8_t masked) {
-    float block[HZ_BLOCK];
-    const int64_t body = n - n % 8;
-    hz_lanes8 acc = hz_no_lanes;
-    for (int64_t start = 0; start < n; start += HZ_BLOCK) {
-        int64_t count = n - start < HZ_BLOCK ? n - start : HZ_BLOCK;
-        const float *gs = g + start, *ds = d + start;
-        float *out = block;
-        hz_masked_ratios(1, (float **)&gs, (float **)&ds, &out, &count, &floor, &masked);
-        if (n == 1) return fabsf(block[0]);
-        if (start + count > body) /* the last block: the array's tail is in it */
-            return hz_norm2_finish(hz_lanes_add(acc, block, body - start), block + (body - start), n - body);
-        acc = hz_lanes_add(acc, block, count);
-    }
-    return hz_norm2_finish(acc, 0, 0);
-}
-
 /* A norm in hz_norm2's order, of an array written a block at a time by a fused loop and reduced block by
  * block while the block is in cache: feed each block (at a multiple of 8 from the array's start) once written,
  * then end with the whole array, whose last n % 8 elements are summed as hz_norm2 sums them. */
@@ -196,9 +177,28 @@ static inline void hz_norm_feed(hz_norm_run *r, const float *block, int64_t star
     if (end > start) r->acc = hz_lanes_add(r->acc, block, end - start);
 }
 
-static inline float hz_norm_end(const hz_norm_run *r, const float *x) {
-    if (r->n == 1) return fabsf(x[0]);
-    return hz_norm2_finish(r->acc, x + r->body, r->n - r->body);
+/* hz_norm_end where only the array's last block is at hand (on the stack): block holds elements start .. n - 1. */
+static inline float hz_norm_end_in_block(const hz_norm_run *r, const float *block, int64_t start) {
+    if (r->n == 1) return fabsf(block[0]);
+    return hz_norm2_finish(r->acc, block + (r->body - start), r->n - r->body);
+}
+
+static inline float hz_norm_end(const hz_norm_run *r, const float *x) { return hz_norm_end_in_block(r, x, 0); }
+
+/* hz_norm2 of g / d (0 where d < floor, when masked) without writing the ratios out: made a block at a time
+ * on the stack and reduced there, in the same order (hz_masked_ratios' values, hz_norm2's sum). */
+float hz_masked_ratio_norm2(const float *g, const float *d, int64_t n, float floor, uint8_t masked) {
+    float block[HZ_BLOCK];
+    hz_norm_run run = hz_norm_begin(n);
+    for (int64_t start = 0; start < n; start += HZ_BLOCK) {
+        int64_t count = n - start < HZ_BLOCK ? n - start : HZ_BLOCK;
+        const float *gs = g + start, *ds = d + start;
+        float *out = block;
+        hz_masked_ratios(1, (float **)&gs, (float **)&ds, &out, &count, &floor, &masked);
+        hz_norm_feed(&run, block, start, count);
+        if (start + count == n) return hz_norm_end_in_block(&run, block, start);
+    }
+    return 0.0f; /* no elements */
 }
 
 /* Adam's update of parameters and momentum, as torch's _foreach_lerp_, _foreach_mul_ and
@@ -278,9 +278,7 @@ void hz_update_unit_messages_norms(int64_t n, float **grads, float **clip_dens, 
             float *r = block;
             hz_masked_ratios(1, &g, &d, &r, &count, floor + t, masked + t);
             hz_norm_feed(&r_run, block, start, count);
-            if (start + count == size) /* the last block: the ratios' tail is on the stack */
-                r_norms[t] = size == 1 ? fabsf(block[0])
-                                       : hz_norm2_finish(r_run.acc, block + (r_run.body - start), size - r_run.body);
+            if (start + count == size) r_norms[t] = hz_norm_end_in_block(&r_run, block, start);
         }
         if (size == 0) r_norms[t] = 0.0f;
         if (g_norms) g_norms[t] = hz_norm_end(&g_run, grads[t]);

@@ -316,6 +316,26 @@ void hz_from_update_units_norms(int64_t n, float **values, float **dens, float *
     }
 }
 
+/* out = x - copysign(scale_s, x) on each segment s = [bounds[s], bounds[s + 1]) (compression_error), then
+ * times mask when one is given (the two-stage allreduce's masked elements: torch's mul_ by the 0/1 uint8 mask,
+ * which it promotes to float32). */
+void hz_compression_error(const float *x, int64_t segments, const int64_t *bounds, const float *scales,
+                          const uint8_t *mask, float *out) {
+    for (int64_t s = 0; s < segments; s++) {
+        const float scale = scales[s];
+        if (mask) {
+            for (int64_t i = bounds[s]; i < bounds[s + 1]; i++) out[i] = (x[i] - copysignf(scale, x[i])) * (float)mask[i];
+        } else {
+            for (int64_t i = bounds[s]; i < bounds[s + 1]; i++) out[i] = x[i] - copysignf(scale, x[i]);
+        }
+    }
+}
+
+/* x = (x + e) * mask, in place: the worker's y = x + e_w with its masked elements zeroed (torch's add_, mul_). */
+void hz_add_masked(float *x, const float *e, const uint8_t *mask, int64_t count) {
+    for (int64_t i = 0; i < count; i++) x[i] = (x[i] + e[i]) * (float)mask[i];
+}
+
 /* The signs of x packed eight to a byte, first element in the most significant bit, bit 1 where
  * the sign bit is clear (compression.pack_signs); count is a multiple of 8. */
 void hz_pack_signs(const float *x, int64_t count, uint8_t *out) {
@@ -326,30 +346,30 @@ void hz_pack_signs(const float *x, int64_t count, uint8_t *out) {
     }
 }
 
-/* out = x - copysign(scale_s, x) on each segment s = [bounds[s], bounds[s + 1]) (compression_error), then
- * times mask when one is given (the two-stage allreduce's masked elements: torch's mul_ by the mask). */
-void hz_compression_error(const float *x, int64_t segments, const int64_t *bounds, const float *scales,
-                          const float *mask, float *out) {
-    for (int64_t s = 0; s < segments; s++) {
-        const float scale = scales[s];
-        if (mask) {
-            for (int64_t i = bounds[s]; i < bounds[s + 1]; i++) out[i] = (x[i] - copysignf(scale, x[i])) * mask[i];
-        } else {
-            for (int64_t i = bounds[s]; i < bounds[s + 1]; i++) out[i] = x[i] - copysignf(scale, x[i]);
-        }
-    }
-}
+/* Packs the signs of x as they are written, a block at a time while the block is in cache (hz_pack_signs' bytes):
+ * x is cut into chunks of `chunk` elements (a multiple of 8), the signs of chunk k go to row k of out (row_bytes
+ * apart), and each call packs every whole byte of x[0 .. written) not packed yet. Blocks are written in order,
+ * and a chunk's last block ends at the chunk's end, so no call spans two chunks. */
+typedef struct {
+    uint8_t *out;
+    int64_t chunk, row_bytes, packed;
+} hz_sign_run;
 
-/* x = (x + e) * mask, in place: the worker's y = x + e_w with its masked elements zeroed (torch's add_, mul_). */
-void hz_add_masked(float *x, const float *e, const float *mask, int64_t count) {
-    for (int64_t i = 0; i < count; i++) x[i] = (x[i] + e[i]) * mask[i];
+static inline void hz_signs_feed(hz_sign_run *r, const float *x, int64_t written) {
+    const int64_t upto = written - written % 8;
+    if (!r->out || upto <= r->packed) return;
+    uint8_t *row = r->out + (r->packed / r->chunk) * r->row_bytes;
+    hz_pack_signs(x + r->packed, upto - r->packed, row + (r->packed % r->chunk) / 8);
+    r->packed = upto;
 }
 
 /* The worker's y = x + e_w in place, segment by segment, and each segment's norm (hz_norm2's order) from the
  * same pass: times mask when one is given (hz_add_masked), else x + e with every element from zero_from on
- * set to 0 (torch's add_, then zero_ of the padding). */
-void hz_add_masked_norms(float *x, const float *e, const float *mask, int64_t zero_from, int64_t segments,
-                         const int64_t *bounds, float *norms) {
+ * set to 0 (torch's add_, then zero_ of the padding). With signs (else NULL), y's signs are packed into it in
+ * the same pass (hz_sign_run: chunks of `chunk` elements, rows row_bytes apart). */
+void hz_add_masked_norms(float *x, const float *e, const uint8_t *mask, int64_t zero_from, int64_t segments,
+                         const int64_t *bounds, float *norms, uint8_t *signs, int64_t chunk, int64_t row_bytes) {
+    hz_sign_run packing = {signs, chunk, row_bytes, 0};
     for (int64_t s = 0; s < segments; s++) {
         const int64_t a = bounds[s], n = bounds[s + 1] - a;
         hz_norm_run run = hz_norm_begin(n);
@@ -362,6 +382,7 @@ void hz_add_masked_norms(float *x, const float *e, const float *mask, int64_t ze
                 for (int64_t i = 0; i < count; i++) y[i] = first + i < zero_from ? x[first + i] + e[first + i] : 0.0f;
             }
             hz_norm_feed(&run, y, start, count);
+            hz_signs_feed(&packing, x, first + count);
         }
         norms[s] = hz_norm_end(&run, x + a);
     }
@@ -376,12 +397,12 @@ static inline float sign_of(unsigned byte, int k) { return (float)((int)((byte >
  * a time between a ragged head and tail, without branches on the signs (random signs defeat a branch
  * predictor). */
 static inline void decompress_span(const uint8_t *packed, int64_t first, int64_t count, float scale,
-                                   const float *base, const float *mask, float *out) {
+                                   const float *base, const uint8_t *mask, float *out) {
     int64_t i = 0;
     for (; i < count && ((first + i) & 7); i++) {
         float v = sign_of(packed[(first + i) >> 3], (int)((first + i) & 7)) * scale;
         v = base ? base[i] + v : v;
-        out[i] = mask ? v * mask[i] : v;
+        out[i] = mask ? v * (float)mask[i] : v;
     }
     const uint8_t *bytes = packed + ((first + i) >> 3);
     const int64_t whole = (count - i) / 8;
@@ -393,11 +414,11 @@ static inline void decompress_span(const uint8_t *packed, int64_t first, int64_t
             out[i + k] = (EXPR);                               \
         }
     if (base && mask) {
-        HZ_WHOLE_BYTES((base[i + k] + v) * mask[i + k])
+        HZ_WHOLE_BYTES((base[i + k] + v) * (float)mask[i + k])
     } else if (base) {
         HZ_WHOLE_BYTES(base[i + k] + v)
     } else if (mask) {
-        HZ_WHOLE_BYTES(v * mask[i + k])
+        HZ_WHOLE_BYTES(v * (float)mask[i + k])
     } else {
         HZ_WHOLE_BYTES(v)
     }
@@ -405,13 +426,13 @@ static inline void decompress_span(const uint8_t *packed, int64_t first, int64_t
     for (; i < count; i++) {
         float v = sign_of(packed[(first + i) >> 3], (int)((first + i) & 7)) * scale;
         v = base ? base[i] + v : v;
-        out[i] = mask ? v * mask[i] : v;
+        out[i] = mask ? v * (float)mask[i] : v;
     }
 }
 
 /* out = C[x] from packed signs and segment scales (compression.decompress), times mask when one is given. */
 void hz_decompress(const uint8_t *packed, int64_t segments, const int64_t *bounds, const float *scales,
-                   const float *mask, float *out) {
+                   const uint8_t *mask, float *out) {
     for (int64_t s = 0; s < segments; s++)
         decompress_span(packed, bounds[s], bounds[s + 1] - bounds[s], scales[s], 0, mask ? mask + bounds[s] : 0,
                         out + bounds[s]);
@@ -422,7 +443,7 @@ void hz_decompress(const uint8_t *packed, int64_t segments, const int64_t *bound
  * then times mask when one is given: torch's copies[0].add_(error), then copies[0].add_(copies[r]) row by
  * row, then mul_ by the mask, the same roundings. */
 void hz_decompress_sum(const uint8_t *packed, int64_t rows, int64_t row_bytes, int64_t segments, const int64_t *bounds,
-                       const float *scales, const float *error, const float *mask, float *out) {
+                       const float *scales, const float *error, const uint8_t *mask, float *out) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t s = 0; s < segments; s++) {
             const int64_t a = bounds[s];
@@ -433,10 +454,12 @@ void hz_decompress_sum(const uint8_t *packed, int64_t rows, int64_t row_bytes, i
 
 /* hz_decompress_sum a block at a time, every row's copy added into the block while it is in cache (each
  * element sees the same operations in the same order), then, without a mask, 0 from zero_from on (torch's
- * zero_ of the padding), and each segment's norm of the result (hz_norm2's order) into norms. */
+ * zero_ of the padding), and each segment's norm of the result (hz_norm2's order) into norms. With signs
+ * (else NULL), the result's signs are packed into it in the same pass (one chunk: the whole of out). */
 void hz_decompress_sum_norms(const uint8_t *packed, int64_t rows, int64_t row_bytes, int64_t segments,
-                             const int64_t *bounds, const float *scales, const float *error, const float *mask,
-                             int64_t zero_from, float *out, float *norms) {
+                             const int64_t *bounds, const float *scales, const float *error, const uint8_t *mask,
+                             int64_t zero_from, float *out, float *norms, uint8_t *signs) {
+    hz_sign_run packing = {signs, bounds[segments] > 0 ? bounds[segments] : 1, 0, 0};
     for (int64_t s = 0; s < segments; s++) {
         const int64_t a = bounds[s], n = bounds[s + 1] - a;
         hz_norm_run run = hz_norm_begin(n);
@@ -449,6 +472,7 @@ void hz_decompress_sum_norms(const uint8_t *packed, int64_t rows, int64_t row_by
             if (!mask)
                 for (int64_t i = zero_from > first ? zero_from - first : 0; i < count; i++) out[first + i] = 0.0f;
             hz_norm_feed(&run, out + first, start, count);
+            hz_signs_feed(&packing, out, first + count);
         }
         norms[s] = hz_norm_end(&run, out + a);
     }

@@ -322,12 +322,22 @@ std::optional<at::Tensor> pack_signs(const at::Tensor& x, int64_t limit) {
     return out;
 }
 
-// The mask, when given (defined), is float32 and as long as the output; nullptr where none is given.
+// The mask, when given (defined), is uint8 (0/1) and as long as the output; nullptr where none is given.
 bool mask_ok(const at::Tensor& mask, int64_t numel, int64_t limit) {
-    return !mask.defined() || (plain(mask, at::kFloat, limit) && mask.numel() == numel);
+    return !mask.defined() || (plain(mask, at::kByte, limit) && mask.numel() == numel);
 }
 
-const float* mask_ptr(const at::Tensor& mask) { return mask.defined() ? mask.data_ptr<float>() : nullptr; }
+const uint8_t* mask_ptr(const at::Tensor& mask) { return mask.defined() ? mask.data_ptr<uint8_t>() : nullptr; }
+
+// Where a pass may pack the signs of the numel values it writes (hz_sign_run): an undefined tensor, or rows of
+// bytes (rows x row bytes, contiguous), one chunk of numel / rows elements (a multiple of 8) per row, whose signs
+// fit in the row and do not overlap the values.
+bool signs_ok(const at::Tensor& signs, const at::Tensor& values) {
+    if (!signs.defined()) return true;
+    if (!plain(signs, at::kByte, 0) || signs.dim() != 2 || signs.size(0) < 1 || overlaps(signs, values)) return false;
+    const int64_t chunk = values.numel() / signs.size(0);
+    return chunk * signs.size(0) == values.numel() && chunk % 8 == 0 && signs.size(1) * 8 >= chunk;
+}
 
 bool compression_error(const at::Tensor& x, const at::Tensor& scales, const std::vector<int64_t>& bounds,
                        const std::optional<at::Tensor>& mask_, const at::Tensor& out, int64_t limit) {
@@ -385,39 +395,54 @@ bool decompress_sum(const at::Tensor& rows, const at::Tensor& scales, const std:
 std::optional<at::Tensor> decompress_sum_norms(const at::Tensor& rows, const at::Tensor& scales,
                                                const std::vector<int64_t>& bounds, const at::Tensor& error,
                                                const std::optional<at::Tensor>& mask_, int64_t zero_from,
-                                               const at::Tensor& out, int64_t limit) {
-    at::Tensor mask = mask_.value_or(at::Tensor());
-    if (!sum_takes(rows, scales, bounds, error, mask, out, limit)) return std::nullopt;
+                                               const at::Tensor& out, const std::optional<at::Tensor>& signs_,
+                                               int64_t limit) {
+    at::Tensor mask = mask_.value_or(at::Tensor()), signs = signs_.value_or(at::Tensor());
+    if (!sum_takes(rows, scales, bounds, error, mask, out, limit) || (signs.defined() && signs.size(0) != 1) ||
+        !signs_ok(signs, out) ||
+        (signs.defined() && (overlaps(signs, rows) || overlaps(signs, error) || (mask.defined() && overlaps(signs, mask)))))
+        return std::nullopt;
     at::Tensor norms = at::empty({(int64_t)bounds.size() - 1}, out.options());
     hz_decompress_sum_norms(rows.data_ptr<uint8_t>(), rows.size(0), rows.size(1), (int64_t)bounds.size() - 1,
                             bounds.data(), scales.data_ptr<float>(), error.data_ptr<float>(), mask_ptr(mask),
-                            zero_from, out.data_ptr<float>(), norms.data_ptr<float>());
+                            zero_from, out.data_ptr<float>(), norms.data_ptr<float>(),
+                            signs.defined() ? signs.data_ptr<uint8_t>() : nullptr);
     bump_versions({out});
+    if (signs.defined()) bump_versions({signs});
     return norms;
 }
 
-// x = x + e in place, times the mask when one is given (else 0 from zero_from on), and each segment's norm.
+// x = x + e in place, times the mask when one is given (else 0 from zero_from on), and each segment's norm; with
+// signs, x's signs packed into its rows in the same pass (signs_ok), where every chunk's start is a segment's.
 std::optional<at::Tensor> add_masked_norms(const at::Tensor& x, const at::Tensor& e,
                                            const std::optional<at::Tensor>& mask_, int64_t zero_from,
-                                           const std::vector<int64_t>& bounds, int64_t limit) {
-    at::Tensor mask = mask_.value_or(at::Tensor());
+                                           const std::vector<int64_t>& bounds, const std::optional<at::Tensor>& signs_,
+                                           int64_t limit) {
+    at::Tensor mask = mask_.value_or(at::Tensor()), signs = signs_.value_or(at::Tensor());
     if (!plain(x, at::kFloat, limit) || !plain(e, at::kFloat, limit) || e.numel() != x.numel() ||
         !mask_ok(mask, x.numel(), limit) || bounds.size() < 1 ||
-        !valid_bounds(bounds, x.numel(), (int64_t)bounds.size() - 1) || overlaps(x, e))
+        !valid_bounds(bounds, x.numel(), (int64_t)bounds.size() - 1) || overlaps(x, e) || !signs_ok(signs, x) ||
+        (signs.defined() && (overlaps(signs, e) || (mask.defined() && overlaps(signs, mask)))))
         return std::nullopt;
+    const int64_t rows = signs.defined() ? signs.size(0) : 1, chunk = x.numel() / rows;
+    for (int64_t k = 1; signs.defined() && k < rows; k++)  // a block never spans two chunks
+        if (!std::binary_search(bounds.begin(), bounds.end(), k * chunk)) return std::nullopt;
     at::Tensor norms = at::empty({(int64_t)bounds.size() - 1}, x.options());
     hz_add_masked_norms(x.data_ptr<float>(), e.data_ptr<float>(), mask_ptr(mask), zero_from,
-                        (int64_t)bounds.size() - 1, bounds.data(), norms.data_ptr<float>());
+                        (int64_t)bounds.size() - 1, bounds.data(), norms.data_ptr<float>(),
+                        signs.defined() ? signs.data_ptr<uint8_t>() : nullptr, chunk,
+                        signs.defined() ? signs.size(1) : 0);
     bump_versions({x});
+    if (signs.defined()) bump_versions({signs});
     return norms;
 }
 
 // x = (x + e) * mask in place (hz_add_masked).
 bool add_masked(const at::Tensor& x, const at::Tensor& e, const at::Tensor& mask, int64_t limit) {
-    if (!plain(x, at::kFloat, limit) || !plain(e, at::kFloat, limit) || !plain(mask, at::kFloat, limit) ||
+    if (!plain(x, at::kFloat, limit) || !plain(e, at::kFloat, limit) || !plain(mask, at::kByte, limit) ||
         e.numel() != x.numel() || mask.numel() != x.numel())
         return false;
-    hz_add_masked(x.data_ptr<float>(), e.data_ptr<float>(), mask.data_ptr<float>(), x.numel());
+    hz_add_masked(x.data_ptr<float>(), e.data_ptr<float>(), mask.data_ptr<uint8_t>(), x.numel());
     bump_versions({x});
     return true;
 }

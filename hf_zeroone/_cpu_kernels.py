@@ -472,7 +472,7 @@ def compression_error_(
 ) -> bool:
     """``out = x - copysign(scales[s], x)`` on each segment (:func:`~hf_zeroone.compression.compression_error`).
 
-    Then times ``mask`` (float32, as long as ``out``) when one is given, as ``out.mul_(mask)``.
+    Then times ``mask`` (uint8, 0 or 1, as long as ``out``) when one is given, as ``out.mul_(mask)``.
     """
     lib = _ready([x])
     return lib is not None and lib.compression_error(x, scales, list(bounds), mask, out, _limit())
@@ -509,30 +509,36 @@ def decompress_sum_norms_(
     out: Tensor,
     mask: Tensor | None,
     zero_from: int,
+    signs: Tensor | None = None,
 ) -> Tensor | None:
     """:func:`decompress_sum_`, then without a mask ``out[zero_from:] = 0``; returns each segment's 2-norm of ``out``.
 
     The norms are ``torch._foreach_norm``'s bits of the segments; ``None`` (nothing written) where the
-    kernels do not take the arguments or the library's norm is off (:func:`norms`).
+    kernels do not take the arguments or the library's norm is off (:func:`norms`). With ``signs``
+    (uint8, contiguous, ``(1, n)`` with ``8 * n >= out.numel()``), ``out``'s signs are written into its
+    first bytes in the same pass, as :func:`~hf_zeroone.compression.pack_signs` packs them.
     """
     lib = _ready([out])
     if lib is None or not _own_norm:
         return None
-    return lib.decompress_sum_norms(rows, scales, list(bounds), error, mask, zero_from, out, _limit())
+    return lib.decompress_sum_norms(rows, scales, list(bounds), error, mask, zero_from, out, signs, _limit())
 
 
 def add_masked_norms_(
-    x: Tensor, e: Tensor, mask: Tensor | None, zero_from: int, bounds: Sequence[int]
+    x: Tensor, e: Tensor, mask: Tensor | None, zero_from: int, bounds: Sequence[int], signs: Tensor | None = None
 ) -> Tensor | None:
     """``x = (x + e) * mask`` in place (without a mask ``x + e``, then ``x[zero_from:] = 0``); each segment's 2-norm.
 
     The norms are ``torch._foreach_norm``'s bits of the segments of the result; ``None`` (nothing
     written) where the kernels do not take the arguments or the library's norm is off (:func:`norms`).
+    With ``signs`` (uint8, contiguous, ``(P, row bytes)``), the result's signs are written in the same
+    pass as :func:`~hf_zeroone.compression.pack_signs` of ``x.view(P, -1)`` packs them, each chunk's
+    into the first bytes of its row; every chunk (a multiple of 8 elements) must start a segment.
     """
     lib = _ready([x])
     if lib is None or not _own_norm:
         return None
-    return lib.add_masked_norms(x, e, mask, zero_from, list(bounds), _limit())
+    return lib.add_masked_norms(x, e, mask, zero_from, list(bounds), signs, _limit())
 
 
 def add_masked_(x: Tensor, e: Tensor, mask: Tensor) -> bool:

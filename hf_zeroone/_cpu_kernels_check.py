@@ -159,7 +159,7 @@ def _messages_agree(grads: list[Tensor], dens: list[Tensor], moms: list[Tensor],
 def _compression_agrees(gen: torch.Generator) -> bool:
     """The sign packing, compression error and decompressions against :mod:`hf_zeroone.compression`'s torch forms.
 
-    Each with and without a mask of zeros and ones, which torch multiplies in (``-x * 0`` is ``-0``).
+    Each with and without a uint8 mask of zeros and ones, which torch multiplies in (``-x * 0`` is ``-0``).
     """
     from hf_zeroone import compression  # the module that calls these kernels: imported here, after loading
 
@@ -167,7 +167,7 @@ def _compression_agrees(gen: torch.Generator) -> bool:
     x = torch.cat([torch.randn(88, generator=gen, **F32), specials])  # 96 elements: 12 bytes of signs
     bounds, scales = (0, 5, 5, 40, 96), torch.tensor([0.5, 2.0, float("nan"), 1e-30], **F32)
     ok = torch.equal(K.pack_signs(x.view(2, 48)), compression._pack_signs_torch(x.view(2, 48)))
-    mask = (torch.rand(96, generator=gen, **F32) < 0.7).float()
+    mask = (torch.rand(96, generator=gen, **F32) < 0.7).to(torch.uint8)  # a layout's mask
     packed = compression._pack_signs_torch(x)
     signs = compression._unpack_signs_elementwise(packed, torch.float32).reshape(-1)
     for m in (None, mask):

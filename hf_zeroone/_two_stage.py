@@ -126,8 +126,9 @@ def compressed_allreduce(
     # Stage 1, worker side: y = x + e_w, compressed segment by segment.
     y = buffer
     mask = _caller_mask(layout, 0, layout.padded)
-    # on the CPU y and its segments' norms in one pass
-    norms = _cpu_kernels.add_masked_norms_(y, worker_error, mask, layout.numel, layout.bounds)
+    send = torch.empty(p, row, dtype=torch.uint8, device=device)
+    # on the CPU y, its segments' norms and its signs (into each row's first nb bytes) in one pass
+    norms = _cpu_kernels.add_masked_norms_(y, worker_error, mask, layout.numel, layout.bounds, signs=send)
     if norms is not None:
         scales = scales_from_norms(norms, layout.segment_counts)
     else:
@@ -135,9 +136,8 @@ def compressed_allreduce(
             y.add_(worker_error)
             _zero_masked(y, layout)
         scales = segment_scales(y, layout.bounds, layout.segment_counts)
+        send[:, :nb] = pack_signs(y.view(p, c))
     scales.masked_fill_(~torch.isfinite(scales).all(), math.nan)  # every server will see it
-    send = torch.empty(p, row, dtype=torch.uint8, device=device)
-    send[:, :nb] = pack_signs(y.view(p, c))
     send[:, nb : nb + sb] = scales.view(torch.uint8).view(p, sb)
     if q:
         send[:, nb + sb :] = _lane_rows(exact, p, q)
@@ -158,12 +158,17 @@ def compressed_allreduce(
     # Stage 1, server side: average the P compressed copies of my chunk, compress again.
     bounds = layout.chunk_bounds(k)
     # the P copies, each scaled by 1/P, summed in rank order: z = mean_i C[y_ik] + e_s
-    z, norms = _server_sum(recv, nb, worker_scales.reshape(-1) / p, bounds, server_error, y.view(p, c), layout, k * c)
-    counts = layout.chunk_segment_counts(k)
-    s = segment_scales(z, bounds, counts) if norms is None else scales_from_norms(norms, counts)
-    s.masked_fill_(~ok, math.nan)
     out_row = torch.empty(row, dtype=torch.uint8, device=device)
-    out_row[:nb] = pack_signs(z).masked_fill_(~ok, 0)
+    scaled = worker_scales.reshape(-1) / p
+    z, norms = _server_sum(recv, nb, scaled, bounds, server_error, y.view(p, c), layout, k * c, out_row[None])
+    counts = layout.chunk_segment_counts(k)
+    if norms is None:
+        s = segment_scales(z, bounds, counts)
+        out_row[:nb] = pack_signs(z)
+    else:  # z's signs are in out_row already
+        s = scales_from_norms(norms, counts)
+    s.masked_fill_(~ok, math.nan)
+    out_row[:nb].masked_fill_(~ok, 0)
     out_row[nb : nb + sb] = s.view(torch.uint8)
     if q:
         out_row[nb + sb :] = _lane_mean(recv[:, nb + sb :], p, q)
@@ -194,19 +199,22 @@ def _caller_mask(layout: ChunkLayout, start: int, n: int) -> Tensor | None:
 
 def _server_sum(
     recv: Tensor, nb: int, scales: Tensor, bounds: tuple[int, ...], error: Tensor, into: Tensor,
-    layout: ChunkLayout, start: int,
+    layout: ChunkLayout, start: int, signs: Tensor,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """``C_0 + e_s + C_1 + ... + C_{P-1}`` (rank order) from the received rows' signs, masked, in ``into[0]``.
 
     ``scales``: the ``P`` workers' segment scales of this chunk, already divided by ``P``, row by
     row; ``into``: ``(P, c)`` float32 scratch; the chunk starts at layout position ``start``. On
-    the CPU one pass (the fused kernel), which also gives the segments' norms; elsewhere the ``P``
-    copies side by side, then summed row by row (much faster than a sum over dim 0 on the CPU),
-    then masked: the same bits. Returns the sum and its segments' norms (``None`` where not taken).
+    the CPU one pass (the fused kernel), which also gives the segments' norms and writes the sum's
+    packed signs into the first ``nb`` bytes of ``signs`` (uint8, ``(1, row bytes)``); elsewhere the
+    ``P`` copies side by side, then summed row by row (much faster than a sum over dim 0 on the CPU),
+    then masked: the same bits. Returns the sum and its segments' norms (``None`` where not taken,
+    and then no signs written).
     """
     p, c = into.shape
     mask = _caller_mask(layout, start, c)
-    norms = _cpu_kernels.decompress_sum_norms_(recv, scales, bounds, error, into[0], mask, layout.numel - start)
+    zero_from = layout.numel - start
+    norms = _cpu_kernels.decompress_sum_norms_(recv, scales, bounds, error, into[0], mask, zero_from, signs)
     if norms is not None:
         return into[0], norms
     if _cpu_kernels.decompress_sum_(recv, scales, bounds, error, into[0], mask):

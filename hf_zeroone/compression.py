@@ -28,9 +28,10 @@ element-wise operand (a gather by each element's segment), a few kernels instead
 The layout also carries a 0/1 *mask* that is zero on the padding and on any element the caller
 wants kept out of compression (for example momentum that is always exactly zero). Masked
 elements take no part in a scale, never build up error, and decompress to exactly zero (the
-caller zeroes them, see :mod:`hf_zeroone.comm`). A layout whose only masked elements are the
-padding stores no mask (four bytes per element saved): :attr:`ChunkLayout.mask` then builds one
-when asked, and callers zero the padding tail instead.
+caller zeroes them, see :mod:`hf_zeroone.comm`). The mask is one byte per element (uint8 0 or 1,
+which a multiplication promotes to the values' float type). A layout whose only masked elements
+are the padding stores no mask: :attr:`ChunkLayout.mask` then builds one when asked, and callers
+zero the padding tail instead.
 
 **Float8 messages** (``exact_step_dtype="float8_e4m3fn"``) are a second codec, not 1-bit: a vector
 is cut into blocks of :data:`FLOAT8_BLOCK` elements and each block ``b`` travels as one byte per
@@ -436,7 +437,7 @@ class ChunkLayout:
         bounds: ``world_size * S + 1`` nondecreasing offsets into the padded vector: segment
             ``i`` is ``[bounds[i], bounds[i + 1])``, and ``bounds[k * S] == k * chunk``.
         segment_counts: float, ``world_size * S`` long: unmasked elements per segment.
-        stored_mask: the float mask (see :attr:`mask`) when caller-masked elements exist,
+        stored_mask: the uint8 mask (see :attr:`mask`) when caller-masked elements exist,
             ``None`` when only the padding is masked (nothing stored).
         fully_unmasked: ``True`` when only padding is masked.
     """
@@ -452,12 +453,12 @@ class ChunkLayout:
 
     @property
     def mask(self) -> Tensor:
-        """float, ``padded`` long: 1 where an element takes part in compression, 0 on padding and
+        """uint8, ``padded`` long: 1 where an element takes part in compression, 0 on padding and
         on caller-masked elements. Built anew on each access when the layout is fully unmasked."""
         if self.stored_mask is not None:
             return self.stored_mask
-        mask = torch.zeros(self.padded, dtype=torch.float32, device=self.segment_counts.device)
-        mask[: self.numel] = 1.0
+        mask = torch.zeros(self.padded, dtype=torch.uint8, device=self.segment_counts.device)
+        mask[: self.numel] = 1
         return mask
 
     def tensors(self) -> tuple[Tensor, ...]:
@@ -508,8 +509,8 @@ class ChunkLayout:
             if flat.numel() != numel:
                 raise ValueError(f"element_mask has {flat.numel()} elements, expected {numel}")
             if not bool((flat != 0).all()):
-                mask = torch.zeros(padded, dtype=torch.float32, device=device)
-                mask[:numel] = flat.to(device=device, dtype=torch.float32)
+                mask = torch.zeros(padded, dtype=torch.uint8, device=device)
+                mask[:numel] = (flat != 0).to(device=device, dtype=torch.uint8)
         if padded == 0:
             bounds = (0,) * (world_size + 1)
             return cls(numel, world_size, 0, 1, bounds, torch.zeros(world_size, device=device), None, True)

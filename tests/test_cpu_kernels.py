@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from hf_zeroone import OneBitAdam, ZeroOneAdam, _cpu_kernels, _cpu_kernels_check
+from hf_zeroone import OneBitAdam, ZeroOneAdam, _cpu_kernels, _cpu_kernels_check, compression
 from hf_zeroone._tensors import all_finite
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._grad_scale import scale_samples
@@ -188,6 +188,59 @@ def _segments_of(sizes, seed: int):  # noqa: ANN001, ANN202
 _BLOCKED = (0, 1, 7, 8, 9, 2047, 2048, 2049, 2061, 4101, 4109, 6144, 5, 0, 12)
 
 
+def test_the_signs_packed_inside_the_passes_are_pack_signs_bytes(kernels):  # noqa: ANN001
+    """The worker's y = x + e_w and the server's sum pack their signs as they write: pack_signs' bytes, row by row.
+
+    Chunks cut into segments of every remainder and across blocks; the rows' other bytes (the scales' place) are
+    left as they were; arguments the pass cannot pack into are refused with nothing written.
+    """
+    if not _cpu_kernels._own_norm:
+        pytest.skip("this torch build reduces in another order: the fused passes are not used (checked at load)")
+    p, sizes = 3, (1, 7, 2061, 9, 4101, 5, 0, 12, 2048, 3)  # 8248 elements a chunk
+    c = sum(sizes) + (-sum(sizes)) % 8
+    parts = [_segments_of(sizes + (c - sum(sizes),), seed) for seed in range(p)]
+    x = torch.cat([t for t, _ in parts])
+    bounds = sorted({k * c + b for k, (_, bs) in enumerate(parts) for b in bs})
+    gen = torch.Generator().manual_seed(2)
+    e = torch.randn(x.numel(), generator=gen)
+    mask = (torch.rand(x.numel(), generator=gen) > 0.3).to(torch.uint8)
+    nb = c // 8
+    for m in (mask, None):
+        y, want = x.clone(), x.clone()
+        send = torch.full((p, nb + 5), 0xAB, dtype=torch.uint8)
+        norms = _cpu_kernels.add_masked_norms_(y, e, m, x.numel() - 4, bounds, signs=send)
+        assert norms is not None
+        assert _same(norms, _cpu_kernels.add_masked_norms_(want, e, m, x.numel() - 4, bounds))
+        assert _same(y, want)
+        assert torch.equal(send[:, :nb], compression.pack_signs(want.view(p, c)))
+        assert bool((send[:, nb:] == 0xAB).all())
+    # a chunk that does not start a segment, signs that do not fit or overlap: refused, nothing written
+    for case in ("a chunk inside a segment", "rows too short", "signs in y"):
+        y, bad_bounds, signs = x.clone(), bounds, torch.zeros(p, nb, dtype=torch.uint8)
+        if case == "a chunk inside a segment":
+            bad_bounds = [0, 5, x.numel()]
+        elif case == "rows too short":
+            signs = signs[:, 1:].contiguous()
+        else:
+            signs = y.view(torch.uint8)[: p * nb].view(p, nb)
+        assert _cpu_kernels.add_masked_norms_(y, e, None, x.numel(), bad_bounds, signs=signs) is None, case
+        assert _same(y, x) and (case == "signs in y" or not signs.any()), case
+
+    rows = torch.stack([compression.pack_signs(t) for t in e[: p * c].view(p, c)])
+    chunk_bounds = parts[0][1]
+    scales = torch.rand(p * (len(chunk_bounds) - 1), generator=gen)
+    error = torch.randn(c, generator=gen)
+    for m, zero_from in ((mask[:c], c), (None, c - 2500)):
+        out, want = torch.empty(c), torch.empty(c)
+        out_row = torch.full((1, nb + 9), 0xCD, dtype=torch.uint8)
+        norms = _cpu_kernels.decompress_sum_norms_(rows, scales, chunk_bounds, error, out, m, zero_from, out_row)
+        assert _same(norms, _cpu_kernels.decompress_sum_norms_(rows, scales, chunk_bounds, error, want, m, zero_from))
+        assert _same(out, want)
+        assert torch.equal(out_row[0, :nb], compression.pack_signs(want))
+        assert bool((out_row[0, nb:] == 0xCD).all())
+    assert _cpu_kernels.decompress_sum_norms_(rows, scales, chunk_bounds, error, out, None, c, rows[:1]) is None
+
+
 def test_the_norms_fused_into_the_passes_are_torchs_bits(kernels):  # noqa: ANN001
     """y = x + e_w, the server's sum and the implied gradients with their norms from the same pass: torch's bits.
 
@@ -200,7 +253,7 @@ def test_the_norms_fused_into_the_passes_are_torchs_bits(kernels):  # noqa: ANN0
     n = x.numel()
     gen = torch.Generator().manual_seed(1)
     e = torch.randn(n, generator=gen)
-    mask = (torch.rand(n, generator=gen) > 0.3).float()
+    mask = (torch.rand(n, generator=gen) > 0.3).to(torch.uint8)  # a layout's mask
     for m, zero_from in ((mask, n), (None, n - 3000), (None, n)):
         y = x.clone()
         norms = _cpu_kernels.add_masked_norms_(y, e, m, zero_from, bounds)
@@ -490,14 +543,16 @@ def test_a_two_rank_hook_run_is_the_same_run_with_the_kernels_and_without(kernel
     fused = run_ranks(_hook_run, 2, name, True, masked, timeout=300)
     plain = run_ranks(_hook_run, 2, name, False, masked, timeout=300)
     taken = fused[0][3]
-    used = {"pack_signs", "compression_error", "decompress"}
+    used = {"compression_error", "decompress"}
     if name == "ZeroOneAdam":
         used |= {"apply_sync", "from_update_units"}
-    if fused[0][4]:  # the library's own norm passed its check: norms from the passes that write what they measure
+    if fused[0][4]:  # the library's own norm passed its check: norms (and signs) from the passes that write them
         used |= {"add_masked_norms", "decompress_sum_norms", "update_unit_messages_norms"}
         used |= {"from_update_units_norms", "norms"} if name == "OneBitAdam" else set()  # norms clipping left
+        assert "pack_signs" not in taken, sorted(taken.items())  # packed inside the worker's and the server's pass
     else:
-        used |= {"update_unit_messages", "decompress_sum", "from_update_units"} | ({"add_masked"} if masked else set())
+        used |= {"update_unit_messages", "decompress_sum", "from_update_units", "pack_signs"}
+        used |= {"add_masked"} if masked else set()
     assert set(taken) >= used, sorted(taken.items())  # each kernel of the 1-bit path ran
     kinds = set(fused[0][2])
     assert kinds >= ({"onebit_momentum"} if name == "OneBitAdam" else {"onebit_gradient", "local", "onebit_sync"})

@@ -297,3 +297,33 @@ def test_the_known_variance_of_a_masked_tensor_needs_no_list_of_its_elements():
     1``) against 8-11 after bf16 exact steps. Measured here: about 20 bytes per element before."""
     bytes_per_element = float(_peak_script_output(_KNOWN_VARIANCE_SCRIPT))
     assert bytes_per_element < 6.0, bytes_per_element
+
+
+def _masked_rows_run(rank, world):
+    """A 2-rank hook run whose embedding has rows no token reaches: what the layouts hold, and the bucket's size."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone.ddp_hook import register_zeroone_hook
+    from hf_zeroone.optim import state_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(4096, 32), torch.nn.Linear(32, 32))
+    ddp = DDP(model)
+    opt = _optimizer("OneBitAdam", ddp.parameters())
+    register_zeroone_hook(ddp, opt)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(8):
+        opt.zero_grad()
+        ddp(torch.randint(0, 512, (16, 4), generator=gen)).pow(2).mean().backward()
+        opt.step()
+    roles = state_bytes(opt)
+    opt.comm.close()
+    return opt.last_step_kind.compressed, roles, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_a_bucket_with_masked_rows_holds_one_byte_per_element_for_its_mask():
+    """The unused embedding rows' mask travels in the bucket's layout: one byte per element, not a float32's four."""
+    compressed, roles, numel = run_ranks(_masked_rows_run, 2, timeout=120)[0]
+    assert compressed and roles["momentum_mask"] > 0, roles  # rows were masked, 1-bit steps ran
+    assert numel <= roles["flat.layout"] <= 1.01 * numel + 1024, (roles, numel)

@@ -68,12 +68,19 @@ def device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def bench(device: torch.device, numel: int, world: int, repeat: int, segments: int, rows: bool = True) -> dict:
-    """Time every kernel on ``numel`` float32 elements (only the inline arithmetic if not ``rows``)."""
+def bench(
+    device: torch.device, numel: int, world: int, repeat: int, segments: int, rows: bool = True, masked: float = 0.0
+) -> dict:
+    """Time every kernel on ``numel`` float32 elements (only the inline arithmetic if not ``rows``).
+
+    ``masked``: the fraction of the elements the layout masks (drawn at random, a fixed seed), as the
+    automatic momentum mask masks unused embedding rows; 0 masks only the padding.
+    """
     measure = _timer(device, repeat)
     n = numel - numel % (8 * world) or 8 * world
     starts = [i * n // segments for i in range(1, segments)]
-    layout = ChunkLayout.from_mask(n, world, None, device, segment_starts=starts)
+    keep = torch.rand(n, generator=torch.Generator().manual_seed(0)) >= masked if masked > 0 else None
+    layout = ChunkLayout.from_mask(n, world, keep, device, segment_starts=starts)
     x = torch.randn(n, device=device)
     dst = torch.empty_like(x)
     packed = pack_signs(x)
@@ -149,6 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--world", type=int, default=8, help="simulated ranks of the compressed allreduce")
     parser.add_argument("--segments", type=int, default=16, help="tensors (segments) in the vector")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument(
+        "--masked", type=float, default=0.0, help="fraction of the elements the layout masks (unused embedding rows)"
+    )
     parser.add_argument("--bert", action="store_true", help="also time a BERT-base forward + backward")
     parser.add_argument("--bert_batch", type=int, default=32)
     parser.add_argument("--bert_seq", type=int, default=128)
@@ -165,10 +175,13 @@ def main(argv: list[str] | None = None) -> dict:
     compression.EXPAND_ON_CPU = args.scales == "expanded"
     device = torch.device(args.device)
     numel = args.numel or (1 << 26 if device.type == "cuda" else 1 << 22)
-    res = bench(device, numel, args.world, args.repeat, args.segments)
+    if not 0.0 <= args.masked < 1.0:
+        parser.error(f"--masked is a fraction of the elements, in [0, 1); got {args.masked}")
+    res = bench(device, numel, args.world, args.repeat, args.segments, masked=args.masked)
     print(f"device: {res['device']}; memory bandwidth (plain copy): {res['copy_GB/s']:.1f} GB/s")
     print(
-        f"n = {res['numel']} float32 elements, {args.segments} segments, scales: {args.scales}; plain torch kernels\n"
+        f"n = {res['numel']} float32 elements, {args.segments} segments, {args.masked:.0%} masked, scales: "
+        f"{args.scales}; plain torch kernels\n"
     )
     print("| kernel | ms | GB/s | of memory bandwidth |")
     print("|---|---:|---:|---:|")

@@ -398,9 +398,9 @@ std::optional<at::Tensor> decompress_sum_norms(const at::Tensor& rows, const at:
                                                const at::Tensor& out, const std::optional<at::Tensor>& signs_,
                                                int64_t limit) {
     at::Tensor mask = mask_.value_or(at::Tensor()), signs = signs_.value_or(at::Tensor());
-    if (!sum_takes(rows, scales, bounds, error, mask, out, limit) || (signs.defined() && signs.size(0) != 1) ||
-        !signs_ok(signs, out) ||
-        (signs.defined() && (overlaps(signs, rows) || overlaps(signs, error) || (mask.defined() && overlaps(signs, mask)))))
+    if (!sum_takes(rows, scales, bounds, error, mask, out, limit) || !signs_ok(signs, out)) return std::nullopt;
+    if (signs.defined() && (signs.size(0) != 1 || overlaps(signs, rows) || overlaps(signs, scales) ||
+                            overlaps(signs, error) || (mask.defined() && overlaps(signs, mask))))
         return std::nullopt;
     at::Tensor norms = at::empty({(int64_t)bounds.size() - 1}, out.options());
     hz_decompress_sum_norms(rows.data_ptr<uint8_t>(), rows.size(0), rows.size(1), (int64_t)bounds.size() - 1,

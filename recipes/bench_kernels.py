@@ -129,8 +129,9 @@ def bench(
         table.append({"kernel": name, "ms": seconds * 1e3, "GB/s": gbs, "of_copy": gbs / copy_gbs})
     threaded.close()
     arith_s = table[-3]["ms"] / 1e3
+    masked_n = n - int(layout.segment_counts.sum().item())  # elements the layout masks (the padding is none here)
     return {"device": device_name(device), "numel": n, "world": world, "copy_GB/s": copy_gbs, "rows": table,
-            "arithmetic_s": arith_s}  # fmt: skip
+            "arithmetic_s": arith_s, "masked": masked_n}  # fmt: skip
 
 
 def bert_step_seconds(device: torch.device, batch: int, seq: int, repeat: int) -> tuple[float, int, int]:

@@ -32,6 +32,7 @@ def test_bench_kernels_prints_the_table_on_cpu(tmp_path, scales, masked):
         assert f"| {kernel}" in text or kernel in text, kernel
     res = json.loads(out.read_text())
     assert res["numel"] == 8192 and len(res["rows"]) == 9
+    assert (res["masked"] > 0) == (float(masked) > 0) and res["masked"] < 0.4 * 8192  # the layout timed was masked
     assert all(row["GB/s"] > 0 for row in res["rows"]) and res["rows"][0]["of_copy"] == 1.0
 
 

@@ -213,6 +213,7 @@ def test_layout_with_element_mask():
     assert layout.padded == 16 and not layout.fully_unmasked
     assert layout.segment_counts.tolist() == [6.0, 2.0]
     assert layout.stored_mask is layout.mask and layout.mask.tolist() == keep.float().tolist() + [0.0] * 6
+    assert layout.mask.dtype == torch.uint8  # one byte per element (torch's multiplication promotes it)
     # a mask that keeps everything is no mask: nothing stored, the padding alone is masked
     everything = ChunkLayout.from_mask(10, 2, torch.ones(10, dtype=torch.bool))
     assert (
@@ -220,7 +221,7 @@ def test_layout_with_element_mask():
         and everything.stored_mask is None
         and everything.tensors() == (everything.segment_counts,)
     )
-    assert everything.mask.tolist() == [1.0] * 10 + [0.0] * 6
+    assert everything.mask.tolist() == [1.0] * 10 + [0.0] * 6 and everything.mask.dtype == torch.uint8
     with pytest.raises(ValueError, match="element_mask has 3 elements"):
         ChunkLayout.from_mask(10, 2, torch.ones(3, dtype=torch.bool))
 

@@ -212,19 +212,23 @@ def test_the_signs_packed_inside_the_passes_are_pack_signs_bytes(kernels):  # no
         assert norms is not None
         assert _same(norms, _cpu_kernels.add_masked_norms_(want, e, m, x.numel() - 4, bounds))
         assert _same(y, want)
-        assert torch.equal(send[:, :nb], compression.pack_signs(want.view(p, c)))
+        assert torch.equal(send[:, :nb], compression._pack_signs_torch(want.view(p, c)))
         assert bool((send[:, nb:] == 0xAB).all())
     # a chunk that does not start a segment, signs that do not fit or overlap: refused, nothing written
-    for case in ("a chunk inside a segment", "rows too short", "signs in y"):
-        y, bad_bounds, signs = x.clone(), bounds, torch.zeros(p, nb, dtype=torch.uint8)
+    for case in ("a chunk inside a segment", "rows too short", "signs in y", "signs in e", "not rows"):
+        y, e_, bad_bounds, signs = x.clone(), e.clone(), bounds, torch.zeros(p, nb, dtype=torch.uint8)
         if case == "a chunk inside a segment":
             bad_bounds = [0, 5, x.numel()]
         elif case == "rows too short":
             signs = signs[:, 1:].contiguous()
-        else:
+        elif case == "signs in y":
             signs = y.view(torch.uint8)[: p * nb].view(p, nb)
-        assert _cpu_kernels.add_masked_norms_(y, e, None, x.numel(), bad_bounds, signs=signs) is None, case
-        assert _same(y, x) and (case == "signs in y" or not signs.any()), case
+        elif case == "signs in e":
+            signs = e_.view(torch.uint8)[: p * nb].view(p, nb)
+        else:
+            signs = signs.view(-1)
+        assert _cpu_kernels.add_masked_norms_(y, e_, None, x.numel(), bad_bounds, signs=signs) is None, case
+        assert _same(y, x) and _same(e_, e) and (case in ("signs in y", "signs in e") or not signs.any()), case
 
     rows = torch.stack([compression.pack_signs(t) for t in e[: p * c].view(p, c)])
     chunk_bounds = parts[0][1]
@@ -236,9 +240,12 @@ def test_the_signs_packed_inside_the_passes_are_pack_signs_bytes(kernels):  # no
         norms = _cpu_kernels.decompress_sum_norms_(rows, scales, chunk_bounds, error, out, m, zero_from, out_row)
         assert _same(norms, _cpu_kernels.decompress_sum_norms_(rows, scales, chunk_bounds, error, want, m, zero_from))
         assert _same(out, want)
-        assert torch.equal(out_row[0, :nb], compression.pack_signs(want))
+        assert torch.equal(out_row[0, :nb], compression._pack_signs_torch(want))
         assert bool((out_row[0, nb:] == 0xCD).all())
-    assert _cpu_kernels.decompress_sum_norms_(rows, scales, chunk_bounds, error, out, None, c, rows[:1]) is None
+    before, row_bytes, in_rows = out.clone(), rows.clone(), rows[:1]  # signs over the rows, two rows, not rows
+    for signs in (in_rows, torch.zeros(2, nb, dtype=torch.uint8), torch.zeros(nb, dtype=torch.uint8)):
+        assert _cpu_kernels.decompress_sum_norms_(rows, scales, chunk_bounds, error, out, None, c, signs) is None
+        assert _same(out, before) and torch.equal(rows, row_bytes) and (signs is in_rows or not signs.any())
 
 
 def test_the_norms_fused_into_the_passes_are_torchs_bits(kernels):  # noqa: ANN001

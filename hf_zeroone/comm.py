@@ -93,6 +93,10 @@ class CommStats:
     #: not in ``bytes_sent`` and ``collectives``, which count the training's traffic
     setup_bytes: int = 0
     setup_collectives: int = 0
+    #: the replica checks (:meth:`Communicator.assert_identical`, ``check_replicas_every``), not in
+    #: ``bytes_sent`` and ``collectives`` either: a check every 100 steps by default
+    check_bytes: int = 0
+    check_collectives: int = 0
 
     def copy(self) -> CommStats:
         return CommStats(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -284,21 +288,24 @@ class Communicator:
         Compares an exact integer checksum of the bit patterns (two int64 per rank, one
         all-gather), so it costs one tiny collective whatever the model size. The checksum is
         computed on the tensors' device and gathered where the backend takes it (a CUDA device
-        for NCCL, the CPU for gloo); one host read at the end.
+        for NCCL, the CPU for gloo); one host read at the end. Counted in ``stats.check_bytes`` and
+        ``stats.check_collectives``, apart from the training's traffic.
         """
         if not self.is_distributed:
             return
         home = tensors[0].device if tensors else torch.device("cpu")
         local = bit_checksum(tensors, device=collective_device(self._coll.backend, home))
-        self.stats.bytes_sent += (self.world_size - 1) * local.numel() * local.element_size()
-        self.stats.collectives += 1
+        self.stats.check_bytes += (self.world_size - 1) * local.numel() * local.element_size()
+        self.stats.check_collectives += 1
         rows = self._gather_rows(local)
         if not bool((rows == rows[0]).all()):
             differing = [r for r in range(self.world_size) if not torch.equal(rows[r], rows[0])]
             raise RuntimeError(
                 f"hf_zeroone: {what} differ between ranks (ranks {differing} disagree with rank 0). Replicas "
-                "drifted apart: a rank stepped differently (a skipped step on one rank, non-deterministic "
-                "kernels, or a bug). Stop and restart from the last checkpoint; report it if it repeats."
+                "drifted apart: a rank stepped differently (a step() skipped on one rank only, weights changed "
+                "on one rank, ranks on CPUs or GPUs whose kernels round differently, or a bug). Restart from the "
+                "last checkpoint with every rank calling step() alike; report it if it repeats. The check is "
+                "check_replicas_every (0 turns it off, leaving the replicas to differ)."
             )
 
     def gather_setup(self, values: Tensor, home: torch.device | None = None) -> Tensor:

@@ -97,6 +97,9 @@ class ZeroOneHookState:
             scale does) and the results are handed back times ``S`` for the scaler to unscale.
             Without it, messages mix the scaled gradient with the unscaled momentum.
         buckets_seen: number of bucket calls (for tests and diagnostics).
+        backward_passes_seen: number of backward passes that called the hook (its calls for bucket 0),
+            the same on every rank: every ``check_replicas_every``-th checks the replicas (see
+            :class:`~hf_zeroone.optim.CompressedAdamBase`).
         backward_passes_per_step: (read-only) ``None`` until DDP calls the hook again within one
             step (gradient accumulation without ``no_sync()``); then the number of backward passes
             per step, the last of which combines the gradients (see the module). Kept in the
@@ -107,6 +110,7 @@ class ZeroOneHookState:
     overflow_check_on_local_steps: bool | None = None
     grad_scaler: "torch.amp.GradScaler | None" = None
     buckets_seen: int = field(default=0)
+    backward_passes_seen: int = field(default=0)
     _passes: BackwardPasses = field(default_factory=BackwardPasses, init=False, repr=False)
 
     @property
@@ -134,6 +138,14 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     opt = state.optimizer
     state.buckets_seen += 1
     opt.check_ranks_agree()  # before any collective of this step, a handed-back bucket's included
+    if bucket.index() == 0:  # DDP calls the buckets in order: a backward pass's first call
+        state.backward_passes_seen += 1
+        every = opt.check_replicas_every
+        if every and state.backward_passes_seen % every == 0:
+            # here, not in step(): a rank that skipped a step() still runs every backward pass, so the
+            # check's collective meets the same one on every rank and the drift is named, not left to
+            # pair with another collective
+            opt.check_replicas(f"at backward pass {state.backward_passes_seen} (DDP hook)")
     if state._passes.hands_back(opt, state.grad_scaler, bucket.index()):
         # as under no_sync(): the gradients add up locally, and nothing in p.grad is combined. The
         # step may end here (left to step(), after a GradScaler looked at the local gradients), so
@@ -291,6 +303,7 @@ def register_zeroone_hook(
         )
     state = ZeroOneHookState(optimizer, grad_scaler=grad_scaler)
     ddp_model.register_comm_hook(state, zeroone_hook)
+    optimizer.hook_checks_replicas = True
     # a later backward pass, not a forward, ends this iteration's results (see ._iterations)
     ddp_model.register_forward_hook(
         forget_results_on_next_backward(lambda: setattr(optimizer, "communicated_step", None))

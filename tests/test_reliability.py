@@ -61,6 +61,69 @@ def test_replica_drift_is_detected_on_every_rank():
         assert step == 3 and "differ between ranks" in message and "[1]" in message
 
 
+def _skipped_step(rank, world, which, skip_at, passes=130, check_every=None):
+    """Default settings through the DDP hook (or check_replicas_every=check_every); rank 1 skips step ``skip_at``."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone import OneBitAdam, ZeroOneAdam
+    from hf_zeroone.ddp_hook import register_zeroone_hook
+
+    from _workloads import batches, loss_fn, make_model
+
+    kwargs = {} if check_every is None else {"check_replicas_every": check_every}
+    model = make_model()
+    net = DDP(model)
+    if which == "onebit":
+        opt = OneBitAdam(net.parameters(), lr=1e-2, freeze_step=4, **kwargs)
+    else:  # into the local phase, where replicas differ between syncs by design
+        opt = ZeroOneAdam(
+            net.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=1, local_step_scaler=2,
+            local_step_clipper=4, **kwargs,
+        )  # fmt: skip
+    register_zeroone_hook(net, opt)
+    warnings.simplefilter("ignore")
+    error = None
+    for i, (x, y) in enumerate(batches(rank, passes)):
+        opt.zero_grad()
+        try:
+            loss_fn(net, x, y).backward()
+            if i == skip_at and rank == 1:
+                continue  # e.g. a loss found non-finite on this rank alone
+            opt.step()
+        except RuntimeError as exc:
+            error = (i, str(exc))
+            break
+    stats = opt.comm_stats
+    return error, (stats.bytes_sent, stats.collectives), (stats.check_bytes, stats.check_collectives)
+
+
+@pytest.mark.slow
+def test_a_rank_that_skips_a_step_stops_the_run_by_default():
+    # Before check_replicas_every defaulted to 100 this run trained to the end with replicas whose
+    # bits differed from iteration 8 on, and no error or warning said so.
+    res = run_ranks(_skipped_step, 2, "onebit", 8, timeout=300)
+    for error, _, checks in res:
+        assert error is not None, "the drift went unnoticed"
+        step, message = error
+        # on every rank at the same backward pass, the 100th, whatever each rank's step counter says
+        assert step == 99 and "at backward pass 100 (DDP hook) differ between ranks" in message, message
+        assert "step() skipped on one rank" in message and "check_replicas_every" in message
+        assert checks == (16, 1)  # one 16-byte all-gather, counted apart from the training's traffic
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["onebit", "zeroone"])
+def test_the_default_replica_check_finds_nothing_in_a_sound_run_and_leaves_the_traffic_alone(which):
+    res = run_ranks(_skipped_step, 2, which, -1, 230, timeout=300)
+    off = run_ranks(_skipped_step, 2, which, -1, 230, 0, timeout=300)
+    for (error, training, checks), (_, training_off, checks_off) in zip(res, off):
+        assert error is None, error  # 0/1 Adam's local phase: the parameters of the last sync compared
+        assert checks == (32, 2) and checks_off == (0, 0)  # backward passes 100 and 200
+        assert training == training_off  # the bytes and collectives the docs pin are the training's alone
+
+
 def _hang(rank, world):
     from hf_zeroone.comm import Communicator
     from hf_zeroone.compression import ChunkLayout

@@ -22,7 +22,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_zeroone.comm import Communicator
-from hf_zeroone.optim import CompressedAdamBase, OneBitAdam, ZeroOneAdam
+from hf_zeroone.optim import DEFAULT_CHECK_REPLICAS_EVERY, CompressedAdamBase, OneBitAdam, ZeroOneAdam
 from hf_zeroone.optim._deepspeed import deepspeed_optimizer_section, optimizer_kwargs
 
 OPTIMIZER_CHOICES = ("adamw_torch", "onebit_adam", "zeroone_adam")
@@ -151,10 +151,11 @@ class ZeroOneArgumentsMixin:
         },
     )
     check_replicas_every: int = field(
-        default=0,
+        default=DEFAULT_CHECK_REPLICAS_EVERY,
         metadata={
-            "help": "Every N synchronising steps, check that all ranks hold bit-identical parameters (one "
-            "16-byte all-gather) and stop with an error if not. 0 disables."
+            "help": "At the first synchronising step at least N steps after the last check, check that all ranks "
+            f"hold bit-identical parameters (one 16-byte all-gather) and stop with an error if not. Default "
+            f"{DEFAULT_CHECK_REPLICAS_EVERY}; 0 disables."
         },
     )
     log_comm_stats: bool = field(

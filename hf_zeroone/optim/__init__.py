@@ -1,6 +1,6 @@
 """Communication-compressed Adam optimizers."""
 
-from hf_zeroone.optim._base import CompressedAdamBase, StepKind
+from hf_zeroone.optim._base import DEFAULT_CHECK_REPLICAS_EVERY, CompressedAdamBase, StepKind
 from hf_zeroone.optim._deepspeed import DeepSpeedConfigNote, from_deepspeed_config
 from hf_zeroone.optim._memory import bytes_per_parameter, documented_bytes_per_param, state_bytes
 from hf_zeroone.optim._schedule import (
@@ -13,6 +13,7 @@ from hf_zeroone.optim.onebit_adam import OneBitAdam
 from hf_zeroone.optim.zeroone_adam import ZeroOneAdam
 
 __all__ = [
+    "DEFAULT_CHECK_REPLICAS_EVERY",
     "FREEZE_PERCENT",
     "LOCAL_PHASE_SYNCS",
     "CompressedAdamBase",

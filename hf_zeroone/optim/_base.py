@@ -24,13 +24,13 @@ from hf_zeroone._warnings import user_stacklevel
 from hf_zeroone.optim import _agreement, _local_phase, _masks
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._amp_scaler import agreed_overflow, mark_non_finite, scaler_found_inf, unscale_gradients
-from hf_zeroone.optim._books import UNSET_FREEZE_STEP, OptimizerBooks
+from hf_zeroone.optim._books import DEFAULT_CHECK_REPLICAS_EVERY, UNSET_FREEZE_STEP, OptimizerBooks
 from hf_zeroone.optim._exchange import exchange
 from hf_zeroone.optim._flat import FlatBuffers
 from hf_zeroone.optim._functional import by_group
 from hf_zeroone.optim._step_kind import StepKind
 
-__all__ = ["UNSET_FREEZE_STEP", "CompressedAdamBase", "FlatBuffers", "StepKind"]
+__all__ = ["DEFAULT_CHECK_REPLICAS_EVERY", "UNSET_FREEZE_STEP", "CompressedAdamBase", "FlatBuffers", "StepKind"]
 
 #: steps skipped in a row as GradScaler overflows (non-finite combined values) before a warning says so
 SKIPS_BEFORE_WARNING = 20
@@ -61,9 +61,15 @@ class CompressedAdamBase(OptimizerBooks):
             per compressed step while rows are masked, see :mod:`hf_zeroone.optim._masks`).
         communicator: an existing :class:`~hf_zeroone.comm.Communicator` to use instead of
             creating one from ``process_group``.
-        check_replicas_every: every this many synchronising steps, check that all ranks hold
-            bit-identical parameters (one all-gather of 16 bytes) and raise ``RuntimeError`` if
-            they do not. ``0`` (default) disables the check.
+        check_replicas_every: check that all ranks hold bit-identical parameters (one all-gather
+            of 16 bytes, counted in ``CommStats.check_bytes``, apart from the training's traffic)
+            and raise ``RuntimeError`` on every rank if they do not, so that replicas that drifted
+            apart (a rank that skipped a ``step()``) stop the run instead of training on silently:
+            with the DDP hook, every this many backward passes that call it (on every rank at the
+            same pass, whatever each rank's step counter says); without it, at the first
+            synchronising step at least this many steps after the last check. Between two syncs
+            of 0/1 Adam's local phase, where replicas differ by design, the parameters of the last
+            sync are compared. Default 100 (:data:`DEFAULT_CHECK_REPLICAS_EVERY`); ``0`` turns it off.
         follow_gradient_scale: after the variance freeze, rescale the frozen ``v`` of each tensor
             (down only) by how much its gradients have shrunk relative to it (one float per
             tensor, averaged with a collective the step already makes; exact steps add one small
@@ -297,13 +303,11 @@ class CompressedAdamBase(OptimizerBooks):
         self._advance_schedule(kind)
         self.schedule["step"] += 1
         self.communicated_step = None
-        if self.check_replicas_every and kind.communicates:
-            self._syncs_since_check += 1
-            if self._syncs_since_check >= self.check_replicas_every:
-                self._syncs_since_check = 0
-                self.comm.assert_identical(
-                    [p for _, p in self.trainable_params()], f"parameters after step {self.schedule['step']}"
-                )
+        self._steps_since_check += 1
+        if self.check_replicas_every and kind.communicates and not self.hook_checks_replicas:
+            if self._steps_since_check >= self.check_replicas_every:
+                self._steps_since_check = 0
+                self.check_replicas(f"after step {self.schedule['step']}")
         return loss
 
     def _release_masked_rows(self, kind: StepKind) -> None:

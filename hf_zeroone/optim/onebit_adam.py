@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hf_zeroone.comm import Communicator
-from hf_zeroone.optim._base import UNSET_FREEZE_STEP, CompressedAdamBase
+from hf_zeroone.optim._base import DEFAULT_CHECK_REPLICAS_EVERY, UNSET_FREEZE_STEP, CompressedAdamBase
 from hf_zeroone.optim._schedule import recommended_freeze_step
 from hf_zeroone.optim._step_kind import StepKind, _check_int, check_adamw_options
 
@@ -99,7 +99,7 @@ class OneBitAdam(CompressedAdamBase):
         process_group: dist.ProcessGroup | None = None,
         auto_momentum_mask: bool = True,
         communicator: Communicator | None = None,
-        check_replicas_every: int = 0,
+        check_replicas_every: int = DEFAULT_CHECK_REPLICAS_EVERY,
         follow_gradient_scale: bool = True,
         clip_to_variance: bool = True,
         exact_step_dtype: torch.dtype | str | None = torch.float8_e4m3fn,

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from hf_zeroone.comm import Communicator
 from hf_zeroone.optim import _local_phase
-from hf_zeroone.optim._base import UNSET_FREEZE_STEP, CompressedAdamBase
+from hf_zeroone.optim._base import DEFAULT_CHECK_REPLICAS_EVERY, UNSET_FREEZE_STEP, CompressedAdamBase
 from hf_zeroone.optim._exchange import exchange
 from hf_zeroone.optim._schedule import recommended_freeze_step, recommended_local_steps
 from hf_zeroone.optim._step_kind import StepKind, _check_int, check_adamw_options
@@ -147,7 +147,7 @@ class ZeroOneAdam(CompressedAdamBase):
         process_group: dist.ProcessGroup | None = None,
         auto_momentum_mask: bool = True,
         communicator: Communicator | None = None,
-        check_replicas_every: int = 0,
+        check_replicas_every: int = DEFAULT_CHECK_REPLICAS_EVERY,
         follow_gradient_scale: bool = True,
         clip_to_variance: bool = True,
         exact_step_dtype: torch.dtype | str | None = torch.float8_e4m3fn,

@@ -11,11 +11,15 @@ AdamW with a hook that sends nothing (the benchmark's no-communication reference
 Each function named in ``--functions`` (``module.function`` or ``module.Class:method``) is wrapped
 in a timer for the run; its wall time is summed per thread (the training loop's ``main``, the
 communicator's ``comm``). After the warm-up steps, each rank prints its forward, backward and step
-medians, its CPU time per step (user + system, all threads), then a table per function: milliseconds
-per step and, for each call within a step (DDP's buckets, in the order backward reaches them), when
-it ended after the step began and how long it took (medians over the steps). Wall times include
-waiting: a collective's time is mostly the other rank arriving, and a thread that is not scheduled
-still counts. The ranks share the machine's cores; run nothing else beside it.
+medians, its CPU time per step (user + system, all threads), then a table per function: wall
+milliseconds per step, the calling thread's CPU milliseconds and minor page faults per step (means),
+and, for each call within a step (DDP's buckets, in the order backward reaches them), when it ended
+after the step began and how long it took (medians over the steps). Wall times include waiting: a
+collective's time is mostly the other rank arriving, and a thread that is not scheduled still
+counts; CPU time does not, so wall minus CPU is the waiting. A page fault is a page of fresh memory
+touched for the first time: glibc gives large freed blocks back to the system, so a new full-size
+tensor often faults on every page it writes (about 12 ms for 20 MB here). The ranks share the
+machine's cores; run nothing else beside it.
 """
 
 from __future__ import annotations
@@ -57,12 +61,21 @@ DEFAULT_FUNCTIONS = (
 )
 
 
+#: ``getrusage`` of the calling thread (Linux); elsewhere the page-fault column reads 0
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
+
+
+def _thread_faults() -> int:
+    return 0 if _RUSAGE_THREAD is None else resource.getrusage(_RUSAGE_THREAD).ru_minflt
+
+
 class Timers:
-    """Wall time of wrapped functions: per (function, thread), and each call's end and length within its step."""
+    """Wall time, thread CPU time and page faults of wrapped functions per (function, thread); each call's end."""
 
     def __init__(self) -> None:
         self.step_start = 0.0
-        self.calls: dict[tuple[str, str], list[tuple[int, float, float]]] = collections.defaultdict(list)
+        #: per (function, thread): (step, end within the step, wall, thread CPU, minor page faults) of each call
+        self.calls: dict[tuple[str, str], list[tuple[int, float, float, float, int]]] = collections.defaultdict(list)
         self.step = -1
 
     def wrap(self, target: str) -> None:
@@ -77,13 +90,14 @@ class Timers:
 
         @functools.wraps(original)
         def timed(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
-            start = time.perf_counter()
+            start, cpu, faults = time.perf_counter(), time.thread_time(), _thread_faults()
             try:
                 return original(*args, **kwargs)
             finally:
                 end = time.perf_counter()
+                cpu, faults = time.thread_time() - cpu, _thread_faults() - faults
                 thread = "main" if threading.current_thread() is threading.main_thread() else "comm"
-                self.calls[(target, thread)].append((self.step, end - self.step_start, end - start))
+                self.calls[(target, thread)].append((self.step, end - self.step_start, end - start, cpu, faults))
 
         setattr(owner, name, timed)
         if not isinstance(owner, type):  # modules that imported the function by name
@@ -92,14 +106,17 @@ class Timers:
                     setattr(module, name, timed)
 
     def report(self, first: int, steps: int) -> list[str]:
-        lines = ["| function | thread | ms/step | call: ends at ms, takes ms (medians) |", "|---|---|---:|---|"]
+        lines = [
+            "| function | thread | ms/step | CPU ms/step | page faults/step | call: ends at ms, takes ms (medians) |",
+            "|---|---|---:|---:|---:|---|",
+        ]
         rows = []
         for (target, thread), calls in self.calls.items():
             calls = [c for c in calls if c[0] >= first]
             if not calls:
                 continue
             per_step = collections.defaultdict(list)
-            for step, end, took in calls:
+            for step, end, took, _, _ in calls:
                 per_step[step].append((end, took))
             n_calls = round(len(calls) / steps)
             parts = []
@@ -107,8 +124,10 @@ class Timers:
                 kth = [c[k] for c in per_step.values() if len(c) > k]
                 ends, takes = statistics.median(e for e, _ in kth), statistics.median(t for _, t in kth)
                 parts.append(f"{k}: {ends * 1e3:.1f}, {takes * 1e3:.2f}")
-            total = sum(took for _, _, took in calls) / steps
-            rows.append((total, f"| {target} | {thread} | {total * 1e3:.2f} | {'; '.join(parts)} |"))
+            total = sum(c[2] for c in calls) / steps
+            cpu, faults = sum(c[3] for c in calls) / steps, sum(c[4] for c in calls) / steps
+            row = f"| {target} | {thread} | {total * 1e3:.2f} | {cpu * 1e3:.2f} | {faults:.0f} | {'; '.join(parts)} |"
+            rows.append((total, row))
         return lines + [row for _, row in sorted(rows, reverse=True)]
 
 

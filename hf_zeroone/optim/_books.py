@@ -216,13 +216,16 @@ class OptimizerBooks(Optimizer):
         """Raise ``RuntimeError`` on every rank if the replicas differ in any bit (a collective: call it on every rank).
 
         Compares the trainable parameters, or between two syncs of 0/1 Adam's local phase, where
-        they differ by design, the parameters of the last sync (``check_replicas_every``).
+        they differ by design, the parameters of the last sync (``check_replicas_every``); a
+        parameter that has not joined the local phase yet (trainable since its last step) has
+        taken no local step, so it is compared itself.
         """
         params = [p for _, p in self.trainable_params()]
         if self.in_sync:
             self.comm.assert_identical(params, f"parameters {when}")
         else:
-            self.comm.assert_identical([self.state[p]["sync_param"] for p in params], f"last synced parameters {when}")
+            synced = [self.state[p].get("sync_param", p) for p in params]
+            self.comm.assert_identical(synced, f"last synced parameters {when}")
 
     def synchronize(self) -> bool:
         """Make every replica hold the same parameters; returns whether anything was sent.

@@ -94,7 +94,7 @@ class CommStats:
     setup_bytes: int = 0
     setup_collectives: int = 0
     #: the replica checks (:meth:`Communicator.assert_identical`, ``check_replicas_every``), not in
-    #: ``bytes_sent`` and ``collectives`` either: a check every 100 steps by default
+    #: ``bytes_sent`` and ``collectives`` either (by default one every 100 backward passes or steps)
     check_bytes: int = 0
     check_collectives: int = 0
 
@@ -282,30 +282,41 @@ class Communicator:
         return self.allreduce_mean_async(tensor, exact, lane_in_bf16).wait()
 
     # ------------------------------------------------------------------ consistency
-    def assert_identical(self, tensors: list[Tensor], what: str = "parameters") -> None:
+    def assert_identical(self, tensors: list[Tensor], what: str = "parameters", step: int | None = None) -> None:
         """Raise ``RuntimeError`` on every rank if ``tensors`` differ in any bit between ranks.
 
         Compares an exact integer checksum of the bit patterns (two int64 per rank, one
         all-gather), so it costs one tiny collective whatever the model size. The checksum is
         computed on the tensors' device and gathered where the backend takes it (a CUDA device
-        for NCCL, the CPU for gloo); one host read at the end. Counted in ``stats.check_bytes`` and
-        ``stats.check_collectives``, apart from the training's traffic.
+        for NCCL, the CPU for gloo); one host read at the end. ``step``: each rank's step counter,
+        gathered beside the checksum (one more int64) and compared too; the error names each
+        rank's where they differ. Counted in ``stats.check_bytes`` and ``stats.check_collectives``,
+        apart from the training's traffic.
         """
         if not self.is_distributed:
             return
         home = tensors[0].device if tensors else torch.device("cpu")
         local = bit_checksum(tensors, device=collective_device(self._coll.backend, home))
+        if step is not None:
+            local = torch.cat([local, torch.tensor([step], dtype=torch.int64, device=local.device)])
         self.stats.check_bytes += (self.world_size - 1) * local.numel() * local.element_size()
         self.stats.check_collectives += 1
         rows = self._gather_rows(local)
         if not bool((rows == rows[0]).all()):
             differing = [r for r in range(self.world_size) if not torch.equal(rows[r], rows[0])]
+            steps = rows[:, 2].tolist() if step is not None else []
+            behind = (
+                " Their step counters differ (" + ", ".join(f"rank {r} at {s}" for r, s in enumerate(steps)) + "): "
+                "a rank skipped a step() that the others took."
+                if len(set(steps)) > 1
+                else ""
+            )
             raise RuntimeError(
-                f"hf_zeroone: {what} differ between ranks (ranks {differing} disagree with rank 0). Replicas "
-                "drifted apart: a rank stepped differently (a step() skipped on one rank only, weights changed "
-                "on one rank, ranks on CPUs or GPUs whose kernels round differently, or a bug). Restart from the "
-                "last checkpoint with every rank calling step() alike; report it if it repeats. The check is "
-                "check_replicas_every (0 turns it off, leaving the replicas to differ)."
+                f"hf_zeroone: {what} differ between ranks (ranks {differing} disagree with rank 0).{behind} Replicas "
+                "drifted apart: a rank stepped differently (a step() skipped after backward() on one rank only, "
+                "weights changed on one rank, ranks on CPUs or GPUs whose kernels round differently, or a bug). "
+                "Restart from the last checkpoint with every rank calling step() alike; report it if it repeats. "
+                "The check is check_replicas_every (0 turns it off, leaving the replicas to differ)."
             )
 
     def gather_setup(self, values: Tensor, home: torch.device | None = None) -> Tensor:

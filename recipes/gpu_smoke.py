@@ -9,8 +9,8 @@ tokens, no dropout, no download) with DDP and the hf_zeroone hook, once with 1-b
 with 0/1 Adam, through every phase of their schedules (0/1 Adam on a side CUDA stream), with
 ``check_replicas_every=1``. It checks, and writes to ``--out``:
 
-* replicas bit-identical: the package's checksum after every step (on NCCL, gathered on the
-  GPU), and the full parameters of every rank compared at the end;
+* replicas bit-identical: the package's checksum at every backward pass (the hook's check, on
+  NCCL gathered on the GPU), and the full parameters of every rank compared at the end;
 * bytes as accounted: the bytes ``CommStats`` counted equal the bytes of the tensors actually
   handed to the backend's collectives (counted by a wrapper around them);
 * with 4+ ranks, data-parallel sub-groups (2 x P/2): each group keeps its replicas identical.

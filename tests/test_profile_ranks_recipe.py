@@ -1,5 +1,6 @@
 """recipes/profile_ranks.py: each rank reports its step's medians and a row per timed function, per thread."""
 
+import mmap
 import os
 import re
 import subprocess
@@ -39,26 +40,37 @@ def test_both_ranks_report_the_hook_and_the_allreduce_on_their_threads(tmp_path)
     assert collective and all(cpu < ms for ms, cpu in collective), rows
 
 
-def test_page_faults_count_the_fresh_memory_a_function_writes(monkeypatch):
-    import torch
+def _write_fresh_pages(pages: int) -> None:
+    """Map ``pages`` new 4 KiB pages (small pages, whatever the allocator or huge-page setting) and write each."""
+    size = pages * 4096
+    memory = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    for offset in range(0, size, 4096):
+        memory[offset] = 1
+    memory.close()
 
+
+def test_page_faults_count_the_fresh_memory_a_function_writes(monkeypatch):
     monkeypatch.syspath_prepend(str(RECIPE.parent))
     import profile_ranks
 
     if profile_ranks._RUSAGE_THREAD is None:
         pytest.skip("no per-thread getrusage here")
     probe = types.ModuleType("hz_fault_probe")
-    probe.fresh = lambda: torch.ones(16 * 2**20)  # a new 64 MiB tensor, every page written
+    probe.fresh = _write_fresh_pages
+    probe.nothing = lambda pages: None
     monkeypatch.setitem(sys.modules, "hz_fault_probe", probe)
     timers = profile_ranks.Timers()
     timers.wrap("hz_fault_probe.fresh")
+    timers.wrap("hz_fault_probe.nothing")
     timers.step = 0
     for _ in range(2):
-        probe.fresh()
-    ((_, calls),) = timers.calls.items()
-    # glibc maps a block this large afresh and unmaps it when freed: 16,384 pages of 4 KiB each call
-    assert len(calls) == 2 and all(faults > 8000 for *_, faults in calls), calls
-    assert all(0 < cpu for *_, cpu, _ in calls), calls  # the faults are the thread's own (kernel) CPU time
+        probe.fresh(4096)  # 16 MiB of new pages, each written once
+        probe.nothing(4096)
+    fresh, nothing = timers.calls[("hz_fault_probe.fresh", "main")], timers.calls[("hz_fault_probe.nothing", "main")]
+    assert len(fresh) == 2 and all(faults >= 4096 for *_, faults in fresh), fresh
+    assert all(faults < 100 for *_, faults in nothing), nothing
 
 
 def test_it_says_how_to_start_it_and_refuses_a_skip_that_leaves_nothing():

@@ -83,6 +83,8 @@ def _skipped_step(rank, world, which, skip_at, passes=130, check_every=None):
             local_step_clipper=4, **kwargs,
         )  # fmt: skip
     register_zeroone_hook(net, opt)
+    in_sync, check = [], opt.check_replicas
+    opt.check_replicas = lambda when: (in_sync.append(opt.in_sync), check(when))[1]  # which branch each check took
     warnings.simplefilter("ignore")
     error = None
     for i, (x, y) in enumerate(batches(rank, passes)):
@@ -96,7 +98,7 @@ def _skipped_step(rank, world, which, skip_at, passes=130, check_every=None):
             error = (i, str(exc))
             break
     stats = opt.comm_stats
-    return error, (stats.bytes_sent, stats.collectives), (stats.check_bytes, stats.check_collectives)
+    return error, (stats.bytes_sent, stats.collectives), (stats.check_bytes, stats.check_collectives), in_sync
 
 
 @pytest.mark.slow
@@ -104,13 +106,14 @@ def test_a_rank_that_skips_a_step_stops_the_run_by_default():
     # Before check_replicas_every defaulted to 100 this run trained to the end with replicas whose
     # bits differed from iteration 8 on, and no error or warning said so.
     res = run_ranks(_skipped_step, 2, "onebit", 8, timeout=300)
-    for error, _, checks in res:
+    for error, _, checks, _ in res:
         assert error is not None, "the drift went unnoticed"
         step, message = error
         # on every rank at the same backward pass, the 100th, whatever each rank's step counter says
         assert step == 99 and "at backward pass 100 (DDP hook) differ between ranks" in message, message
-        assert "step() skipped on one rank" in message and "check_replicas_every" in message
-        assert checks == (16, 1)  # one 16-byte all-gather, counted apart from the training's traffic
+        assert "step counters differ (rank 0 at 99, rank 1 at 98)" in message, message
+        assert "step() skipped after backward() on one rank" in message and "check_replicas_every" in message
+        assert checks == (24, 1)  # one 24-byte all-gather, counted apart from the training's traffic
 
 
 @pytest.mark.slow
@@ -118,10 +121,12 @@ def test_a_rank_that_skips_a_step_stops_the_run_by_default():
 def test_the_default_replica_check_finds_nothing_in_a_sound_run_and_leaves_the_traffic_alone(which):
     res = run_ranks(_skipped_step, 2, which, -1, 230, timeout=300)
     off = run_ranks(_skipped_step, 2, which, -1, 230, 0, timeout=300)
-    for (error, training, checks), (_, training_off, checks_off) in zip(res, off):
-        assert error is None, error  # 0/1 Adam's local phase: the parameters of the last sync compared
-        assert checks == (32, 2) and checks_off == (0, 0)  # backward passes 100 and 200
+    for (error, training, checks, in_sync), (_, training_off, checks_off, _) in zip(res, off):
+        assert error is None, error
+        assert checks == (48, 2) and checks_off == (0, 0)  # backward passes 100 and 200
         assert training == training_off  # the bytes and collectives the docs pin are the training's alone
+        # 0/1 Adam is between two syncs of its local phase at both: the parameters of the last sync compared
+        assert in_sync == ([True, True] if which == "onebit" else [False, False]), in_sync
 
 
 def _hang(rank, world):

@@ -153,8 +153,9 @@ class ZeroOneArgumentsMixin:
     check_replicas_every: int = field(
         default=DEFAULT_CHECK_REPLICAS_EVERY,
         metadata={
-            "help": "At the first synchronising step at least N steps after the last check, check that all ranks "
-            f"hold bit-identical parameters (one 16-byte all-gather) and stop with an error if not. Default "
+            "help": "Every N backward passes through the DDP hook (the Trainer's case), check that all ranks hold "
+            "bit-identical parameters and step counters (one 24-byte all-gather) and stop with an error if not; "
+            "without the hook, at the first synchronising step N steps after the last check. Default "
             f"{DEFAULT_CHECK_REPLICAS_EVERY}; 0 disables."
         },
     )

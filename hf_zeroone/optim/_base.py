@@ -61,10 +61,10 @@ class CompressedAdamBase(OptimizerBooks):
             per compressed step while rows are masked, see :mod:`hf_zeroone.optim._masks`).
         communicator: an existing :class:`~hf_zeroone.comm.Communicator` to use instead of
             creating one from ``process_group``.
-        check_replicas_every: check that all ranks hold bit-identical parameters (one all-gather
-            of 16 bytes, counted in ``CommStats.check_bytes``, apart from the training's traffic)
-            and raise ``RuntimeError`` on every rank if they do not, so that replicas that drifted
-            apart (a rank that skipped a ``step()``) stop the run instead of training on silently:
+        check_replicas_every: check that all ranks hold bit-identical parameters and the same step
+            counter (one all-gather of 24 bytes, counted in ``CommStats.check_bytes``, apart from
+            the training's traffic) and raise ``RuntimeError`` on every rank if they do not, so that
+            replicas that drifted apart stop the run instead of training on silently:
             with the DDP hook, every this many backward passes that call it (on every rank at the
             same pass, whatever each rank's step counter says); without it, at the first
             synchronising step at least this many steps after the last check. Between two syncs

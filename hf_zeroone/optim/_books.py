@@ -39,9 +39,10 @@ __all__ = ["DEFAULT_CHECK_REPLICAS_EVERY", "UNSET_FREEZE_STEP", "OptimizerBooks"
 #: the variance freeze of an optimizer whose run length was never given: DeepSpeed's default,
 #: which means no compression in a run shorter than that (see OptimizerBooks.set_run_length)
 UNSET_FREEZE_STEP = 100000
-#: ``check_replicas_every``'s default: the replicas' bits are compared at the first synchronising step
-#: at least this many steps after the last check, so replicas that drift apart stop the run (a
-#: checksum pass over the parameters and a 16-byte all-gather, about 0.1 ms a step on a 5.4M-parameter model)
+#: ``check_replicas_every``'s default: the replicas' bits and step counters are compared every this many
+#: backward passes through the DDP hook (without it, at the first synchronising step this many steps after
+#: the last check), so replicas that drift apart stop the run; a checksum pass over the parameters and a
+#: 24-byte all-gather each time
 DEFAULT_CHECK_REPLICAS_EVERY = 100
 
 
@@ -218,14 +219,14 @@ class OptimizerBooks(Optimizer):
         Compares the trainable parameters, or between two syncs of 0/1 Adam's local phase, where
         they differ by design, the parameters of the last sync (``check_replicas_every``); a
         parameter that has not joined the local phase yet (trainable since its last step) has
-        taken no local step, so it is compared itself.
+        taken no local step, so it is compared itself. The ranks' step counters are compared too.
         """
-        params = [p for _, p in self.trainable_params()]
+        params, step = [p for _, p in self.trainable_params()], self.schedule["step"]
         if self.in_sync:
-            self.comm.assert_identical(params, f"parameters {when}")
+            self.comm.assert_identical(params, f"parameters {when}", step=step)
         else:
             synced = [self.state[p].get("sync_param", p) for p in params]
-            self.comm.assert_identical(synced, f"last synced parameters {when}")
+            self.comm.assert_identical(synced, f"last synced parameters {when}", step=step)
 
     def synchronize(self) -> bool:
         """Make every replica hold the same parameters; returns whether anything was sent.

@@ -98,7 +98,7 @@ def _train(rank, world, device, name):
 def test_ddp_training_on_nccl_keeps_replicas_identical_and_tracks_the_cpu_run(name):
     nccl = run_ranks(_train, 2, "cuda", name, backend="nccl", timeout=400)
     gloo = run_ranks(_train, 2, "cpu", name, timeout=400)
-    assert torch.equal(nccl[0]["params"], nccl[1]["params"])  # check_replicas_every=1 also ran each step
+    assert torch.equal(nccl[0]["params"], nccl[1]["params"])  # check_replicas_every=1 also ran each pass
     assert nccl[0]["bytes"] == gloo[0]["bytes"]  # same buckets, same layouts: the same bytes counted
     cuda_losses, cpu_losses = torch.tensor(nccl[0]["losses"]), torch.tensor(gloo[0]["losses"])
     # exact warm-up: float32 rounding apart; after it, 1-bit signs near zero may differ: close on average

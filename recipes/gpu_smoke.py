@@ -117,7 +117,7 @@ def train(name: str, device: torch.device, steps: int, group=None, side_stream: 
     everyone = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(everyone, flat, group=group)
     identical = all(torch.equal(everyone[0], other) for other in everyone[1:])
-    # the replica checks' 16-byte gathers included, on both sides, and the first step's settings check
+    # the replica checks' 24-byte gathers included, on both sides, and the first step's settings check
     accounted = opt.comm_stats.bytes_sent + opt.comm_stats.setup_bytes + opt.comm_stats.check_bytes
     result = {
         "losses": losses, "kinds": kinds, "step_bytes": step_bytes, "replicas_identical": identical,

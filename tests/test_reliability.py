@@ -104,7 +104,7 @@ def _skipped_step(rank, world, which, skip_at, passes=130, check_every=None):
 @pytest.mark.slow
 def test_a_rank_that_skips_a_step_stops_the_run_by_default():
     # Before check_replicas_every defaulted to 100 this run trained to the end with replicas whose
-    # bits differed from iteration 8 on, and no error or warning said so.
+    # bits differed from iteration 8 on, and no error said so.
     res = run_ranks(_skipped_step, 2, "onebit", 8, timeout=300)
     for error, _, checks, _ in res:
         assert error is not None, "the drift went unnoticed"

@@ -474,26 +474,31 @@ bool apply_sync(const Tensors& params, const Tensors& synced, const Tensors& us,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("all_finite", &all_finite);
-    m.def("split_denominators", &split_denominators);
-    m.def("plain_denominators", &plain_denominators);
-    m.def("scaled_denominators", &scaled_denominators);
-    m.def("clip_to_bounds", &clip_to_bounds);
-    m.def("masked_ratio_norms", &masked_ratio_norms);
-    m.def("norms", &norms);
-    m.def("adam_update", &adam_update);
-    m.def("scaled_difference", &scaled_difference);
-    m.def("scaled_difference_new", &scaled_difference_new);
-    m.def("update_unit_messages", &update_unit_messages);
-    m.def("from_update_units", &from_update_units);
-    m.def("pack_signs", &pack_signs);
-    m.def("compression_error", &compression_error);
-    m.def("decompress", &decompress);
-    m.def("decompress_sum", &decompress_sum);
-    m.def("add_masked", &add_masked);
-    m.def("apply_sync", &apply_sync);
-    m.def("from_update_units_norms", &from_update_units_norms);
-    m.def("decompress_sum_norms", &decompress_sum_norms);
-    m.def("add_masked_norms", &add_masked_norms);
-    m.def("update_unit_messages_norms", &update_unit_messages_norms);
+    // Every loop runs with the GIL released: the arguments are converted before and the results
+    // after, with the GIL held, and nothing between touches a Python object. The communicator's
+    // thread runs the allreduce's loops while the training thread goes on with backward and the
+    // hook's Python code; with the GIL held they took turns even where a core was free.
+    const auto without_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
+    m.def("all_finite", &all_finite, without_gil);
+    m.def("split_denominators", &split_denominators, without_gil);
+    m.def("plain_denominators", &plain_denominators, without_gil);
+    m.def("scaled_denominators", &scaled_denominators, without_gil);
+    m.def("clip_to_bounds", &clip_to_bounds, without_gil);
+    m.def("masked_ratio_norms", &masked_ratio_norms, without_gil);
+    m.def("norms", &norms, without_gil);
+    m.def("adam_update", &adam_update, without_gil);
+    m.def("scaled_difference", &scaled_difference, without_gil);
+    m.def("scaled_difference_new", &scaled_difference_new, without_gil);
+    m.def("update_unit_messages", &update_unit_messages, without_gil);
+    m.def("from_update_units", &from_update_units, without_gil);
+    m.def("pack_signs", &pack_signs, without_gil);
+    m.def("compression_error", &compression_error, without_gil);
+    m.def("decompress", &decompress, without_gil);
+    m.def("decompress_sum", &decompress_sum, without_gil);
+    m.def("add_masked", &add_masked, without_gil);
+    m.def("apply_sync", &apply_sync, without_gil);
+    m.def("from_update_units_norms", &from_update_units_norms, without_gil);
+    m.def("decompress_sum_norms", &decompress_sum_norms, without_gil);
+    m.def("add_masked_norms", &add_masked_norms, without_gil);
+    m.def("update_unit_messages_norms", &update_unit_messages_norms, without_gil);
 }

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_cpu_kernels import _SPECIALS, _same, kernels, pytestmark  # noqa: F401 - the fixture and the skip
 
 from hf_zeroone import _cpu_kernels, compression
-
-from test_cpu_kernels import _SPECIALS, _same, kernels, pytestmark  # noqa: F401 - the fixture and the skip
 
 _SIZES = (3, 0, 13, 1, 2048, 8, 4101, 7, 64, 2)  # segments starting and ending inside bytes and blocks
 _SCALES = [0.5, -0.0, 1e-45, float("inf"), 3.4e38, float("nan"), -2.0, 0.0, 1e-38, 7.0]
@@ -31,8 +30,9 @@ def _torch_copy(packed: torch.Tensor, scales: torch.Tensor, bounds: list[int]) -
     return torch.cat([signs[a:b] * s for s, a, b in zip(scales, bounds, bounds[1:])])
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("rows", [1, 2, 3])
-def test_the_decompressions_are_torchs_bits(kernels, rows):  # noqa: ANN001
+def test_the_decompressions_are_torchs_bits(rows: int) -> None:
     bounds = _bounds()
     n = bounds[-1]
     nb = (n + 7) // 8

@@ -396,8 +396,14 @@ static inline hz_lanes8 hz_load8(const float *x) {
     return v;
 }
 static inline hz_lanes8 hz_mask8(const uint8_t *mask) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9)
     const hz_ints8 m = {mask[0], mask[1], mask[2], mask[3], mask[4], mask[5], mask[6], mask[7]};
-    return __builtin_convertvector(m, hz_lanes8);
+    return __builtin_convertvector(m, hz_lanes8); /* one widening and one conversion instruction */
+#else /* older compilers: the same values, built a lane at a time */
+    const hz_lanes8 m = {(float)mask[0], (float)mask[1], (float)mask[2], (float)mask[3],
+                         (float)mask[4], (float)mask[5], (float)mask[6], (float)mask[7]};
+    return m;
+#endif
 }
 
 /* One sign as unpack_signs gives it: +1.0 where bit k (from the most significant) of byte is set, else -1.0. */

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_kernels import _SPECIALS, _same, kernels, pytestmark  # noqa: F401 - the fixture and the skip
+from test_cpu_kernels import _SPECIALS, _own_norm_restored, _same, kernels, pytestmark  # noqa: F401 - the fixtures, the skip
 
 from hf_zeroone import _cpu_kernels, compression
 

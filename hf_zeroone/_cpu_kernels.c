@@ -432,7 +432,7 @@ static inline void decompress_span(const uint8_t *packed, int64_t first, int64_t
 #define HZ_WHOLE_BYTES(EXPR)                                                      \
     for (int64_t b = 0; b < whole; b++, i += 8) {                                 \
         const hz_ints8 clear = (lane_bit & (int32_t)bytes[b]) == 0; /* -1 or 0 */ \
-        const hz_ints8 sign_bits = one_bits | (clear & INT32_MIN);      \
+        const hz_ints8 sign_bits = one_bits | (clear & INT32_MIN);                \
         hz_lanes8 v, w;                                                           \
         memcpy(&v, &sign_bits, sizeof v);                                         \
         v = v * scale;                                                            \

@@ -8,6 +8,8 @@ with and without a mask, one to three rows.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from test_cpu_kernels import _SPECIALS, _own_norm_restored, _same, kernels, pytestmark  # noqa: F401 - the fixtures, the skip
@@ -18,13 +20,6 @@ _SIZES = (3, 0, 13, 1, 2048, 8, 4101, 7, 64, 2)  # segments starting and ending 
 _SCALES = [0.5, -0.0, 1e-45, float("inf"), 3.4e38, float("nan"), -2.0, 0.0, 1e-38, 7.0]
 
 
-def _bounds() -> list[int]:
-    bounds = [0]
-    for n in _SIZES:
-        bounds.append(bounds[-1] + n)
-    return bounds
-
-
 def _torch_copy(packed: torch.Tensor, scales: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     signs = compression._unpack_signs_elementwise(packed, torch.float32).reshape(-1)
     return torch.cat([signs[a:b] * s for s, a, b in zip(scales, bounds, bounds[1:])])
@@ -33,7 +28,7 @@ def _torch_copy(packed: torch.Tensor, scales: torch.Tensor, bounds: list[int]) -
 @pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_the_decompressions_are_torchs_bits(rows: int) -> None:
-    bounds = _bounds()
+    bounds = [0, *itertools.accumulate(_SIZES)]
     n = bounds[-1]
     nb = (n + 7) // 8
     gen = torch.Generator().manual_seed(rows)

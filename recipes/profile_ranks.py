@@ -118,7 +118,9 @@ class Timers:
             per_step = collections.defaultdict(list)
             for step, end, took, _, _ in calls:
                 per_step[step].append((end, took))
-            n_calls = round(len(calls) / steps)
+            # calls per step where it ran: a callback runs on whichever thread completes its future,
+            # so a function may run on a thread in only some steps (medians over those steps)
+            n_calls = max(len(c) for c in per_step.values())
             parts = []
             for k in range(n_calls):
                 kth = [c[k] for c in per_step.values() if len(c) > k]

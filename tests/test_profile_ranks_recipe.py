@@ -79,3 +79,16 @@ def test_it_says_how_to_start_it_and_refuses_a_skip_that_leaves_nothing():
     cmd = [sys.executable, str(RECIPE), "--steps", "3", "--skip", "3"]
     bad = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
     assert bad.returncode == 2 and "--skip must leave steps to time: 0 <= skip < steps, got 3 and 3" in bad.stderr
+
+
+def test_a_function_that_ran_on_a_thread_in_only_some_steps_still_shows_its_calls():
+    """A future's callback runs on the thread that completes it: on the training thread in some steps only."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import profile_ranks
+
+    timers = profile_ranks.Timers()
+    timers.calls[("m.finish", "main")] = [(1, 0.5, 0.002, 0.002, 0)]  # in step 1 of steps 0-2 only
+    timers.calls[("m.finish", "comm")] = [(0, 0.4, 0.003, 0.003, 0), (2, 0.4, 0.003, 0.003, 0)]
+    rows = {line.split(" | ")[1]: line for line in timers.report(first=0, steps=3)[2:]}
+    assert rows["main"].endswith("| 0: 500.0, 2.00 |"), rows
+    assert rows["comm"].endswith("| 0: 400.0, 3.00 |"), rows

@@ -83,6 +83,7 @@ def _single_process(opt: Any, kind: StepKind, pairs: list[tuple[dict[str, Any], 
         states = [opt.state[p] for p in params]
         if kind is StepKind.ONEBIT_SYNC:  # the message without its units: the displacements themselves
             values = _local_phase.new_displacements(params, states)
+            _local_phase.idle_messages(opt, params, states, values)
         elif kind.compressed:  # ONEBIT_GRADIENT, ONEBIT_MOMENTUM
             for state, g in zip(states, grads):
                 _masks.note_activity(state, g)

@@ -24,6 +24,7 @@ __all__ = [
     "discard_interval",
     "displacement",
     "displacements",
+    "idle_messages",
     "new_displacements",
     "note_local_step",
     "per_lr_units",
@@ -106,7 +107,7 @@ def per_lr_units(
     learning rate falls linearly to zero, 0/1 Adam's syncs then deviated from the exact average by
     up to 150 learning rates per step at the end, and the run ended 4.9% above AdamW's loss with a
     sync at every step (1-bit Adam, at the same schedule: +0.1%). A parameter with no learning
-    rate over the interval (``sum(lr) = 0``) is sent as it is.
+    rate over the interval (``sum(lr) = 0``) sends its momentum instead (:func:`idle_messages`).
 
     ``scale_factors``: ``follow_gradient_scale``'s factor ``f`` of each tensor (``None``: none), by
     which the local steps' denominators ``d = sqrt(v f / c2) + eps`` moved away from the frozen
@@ -128,6 +129,24 @@ def per_lr_units(
     return list((torch.tensor(lr_sums, dtype=torch.float32, device=device) / factors.sqrt()).unbind())
 
 
+def idle_messages(opt: Any, params: list[Tensor], states: list[dict[str, Any]], outs: list[Tensor]) -> None:  # noqa: ANN401
+    """A sync's message where the interval's summed learning rate is 0: the momentum ``m / d``, into ``outs``.
+
+    No local step moved such a parameter (``u = 0``), and ``u / sum(lr)`` has no value. The
+    momentum per unit of the denominator stands in for it (its limit for one step at a vanishing
+    rate): :func:`apply_sync` then leaves the parameter where it is and sets ``m = d * mean(m / d)``,
+    the same momentum on every rank. Error feedback pays what it withheld at the interval's rate,
+    0, as it does at any other rate.
+    """
+    idle = [i for i, st in enumerate(states) if not st["lr_sum"] > 0]
+    if not idle:
+        return
+    for group, ps, index in opt.grouped([params[i] for i in idle], idle):
+        c2 = opt._coefficients(group, StepKind.ONEBIT_SYNC)[1]
+        for i, d in zip(index, opt._denominators(group, ps, StepKind.ONEBIT_SYNC, c2)):
+            outs[i].copy_(torch.div(states[i]["exp_avg"], d))
+
+
 def apply_sync(
     params: list[Tensor], states: list[dict[str, Any]], combined_u: list[Tensor], c1: float, dens: list[Tensor]
 ) -> None:
@@ -135,25 +154,31 @@ def apply_sync(
 
     ``p = decay_prod * sync_param - u`` and the momentum is re-estimated from ``u``,
     ``m = c1 * d * u / sum(lr)``, with ``d`` from ``dens``; for all tensors of one group at once.
+    Where the interval's summed learning rate is 0 the parameter stays at ``sync_param`` and the
+    combined value is a momentum (:func:`idle_messages`): ``m = d * u``.
     """
     us = as_dtypes(combined_u, params)
+    idle = [i for i, st in enumerate(states) if not st["lr_sum"] > 0]
+    for i in idle:
+        params[i].copy_(states[i]["sync_param"])
+        torch.mul(us[i], dens[i], out=states[i]["exp_avg"])
+        states[i]["lr_sum"], states[i]["decay_prod"] = 0.0, 1.0
+    if idle:
+        moving = [i for i in range(len(params)) if i not in set(idle)]
+        params, states, us, dens = ([xs[i] for i in moving] for xs in (params, states, us, dens))
+        if not params:
+            return
     synced, decays = [st["sync_param"] for st in states], [float(st["decay_prod"]) for st in states]
-    moved = [st["lr_sum"] > 0 for st in states]
-    scales = [c1 / st["lr_sum"] if st["lr_sum"] > 0 else 0.0 for st in states]
+    scales = [c1 / st["lr_sum"] for st in states]
     exp_avgs = [st["exp_avg"] for st in states]
     # the three steps below in one pass on the CPU
-    fused = _cpu_kernels.apply_sync_(params, synced, us, exp_avgs, dens, decays, scales, moved)
+    fused = _cpu_kernels.apply_sync_(params, synced, us, exp_avgs, dens, decays, scales, [True] * len(params))
     if not fused:
         torch._foreach_copy_(params, synced)
         _scale_unless_one(params, decays)
         torch._foreach_sub_(params, us)
-        chosen = [i for i, m in enumerate(moved) if m]
-        if chosen:
-            torch._foreach_zero_([exp_avgs[i] for i in chosen])
-            torch._foreach_addcmul_(
-                [exp_avgs[i] for i in chosen], [us[i] for i in chosen], [dens[i] for i in chosen],
-                [scales[i] for i in chosen],
-            )  # fmt: skip
+        torch._foreach_zero_(exp_avgs)
+        torch._foreach_addcmul_(exp_avgs, us, dens, scales)
     for p, st in zip(params, states):
         if "update_accumulator" in st:
             if accumulates_displacement(p):

@@ -99,6 +99,7 @@ class Messages:
         if kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
             states = [state[p] for p in params]
             _local_phase.displacements(params, states, outs)
+            _local_phase.idle_messages(opt, list(params), states, list(outs))
             if units:  # per unit of learning rate, in the frozen variance's units: see _local_phase.per_lr_units
                 apply_per_tensor("div", list(outs), self.sync_units(params), in_place=True)
             return None

@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(args, tokenizer)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     optimizer = build_optimizer(args, model)
-    scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    # Accelerate steps a prepared scheduler once per process for every optimizer step: count in those steps
+    scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps * world, args.max_steps * world)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     compressed = args.optimizer != "adamw_torch"
     hook_state = prepare_zeroone(accelerator, model, optimizer) if compressed else None

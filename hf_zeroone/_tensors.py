@@ -10,8 +10,6 @@ from itertools import repeat
 import torch
 from torch import Tensor
 
-from hf_zeroone import _cpu_kernels
-
 
 def _scalar_operand(tensors: Sequence[Tensor], value: float) -> float | Tensor:
     """``value`` in the form a CPU multi-tensor op over ``tensors`` takes fastest, with the same result.
@@ -66,9 +64,7 @@ def add_scalar_(tensors: Sequence[Tensor], value: float) -> None:
 def float32_norms(tensors: Sequence[Tensor]) -> Tensor:
     """The 2-norm of each tensor as one float32 vector: ``torch.linalg.vector_norm(t, dtype=torch.float32)`` each.
 
-    On the CPU, a list of float32 tensors is one call of the fused kernels' norm where its
-    load-time check took it (:func:`hf_zeroone._cpu_kernels.norms`, the same bits). Otherwise the
-    float32 tensors go through one ``torch._foreach_norm`` (on CPU the same kernel tensor by
+    The float32 tensors go through one ``torch._foreach_norm`` (on CPU the same kernel tensor by
     tensor, so the same bits; on a GPU a few kernels for the whole list instead of one per tensor),
     the others one at a time, cast as they are reduced (no float32 copy). Per-tensor statistics
     then stay one vector: each operation on them is one call, not one per tensor.
@@ -76,9 +72,6 @@ def float32_norms(tensors: Sequence[Tensor]) -> Tensor:
     tensors = list(tensors)
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
-    fused = _cpu_kernels.norms(tensors)  # on the CPU, one call (the same bits)
-    if fused is not None:
-        return fused
     norms: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
     plain = [i for i, t in enumerate(tensors) if t.dtype == torch.float32]
     if plain:
@@ -102,9 +95,6 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return True
-    checked = _cpu_kernels.all_finite(tensors)  # one read of the exponents, no norms (float32 on the CPU)
-    if checked is not None:
-        return checked
     if bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
         return True
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, math.inf))).all())

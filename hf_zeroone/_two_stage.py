@@ -43,7 +43,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone import _cpu_kernels
 from hf_zeroone.compression import (
     FLOAT8_BLOCK,
     ChunkLayout,
@@ -52,7 +51,6 @@ from hf_zeroone.compression import (
     decompress,
     encode_float8_into,
     pack_signs,
-    scales_from_norms,
     segment_scales,
 )
 
@@ -125,18 +123,11 @@ def compressed_allreduce(
 
     # Stage 1, worker side: y = x + e_w, compressed segment by segment.
     y = buffer
-    mask = _caller_mask(layout, 0, layout.padded)
     send = torch.empty(p, row, dtype=torch.uint8, device=device)
-    # on the CPU y, its segments' norms and its signs (into each row's first nb bytes) in one pass
-    norms = _cpu_kernels.add_masked_norms_(y, worker_error, mask, layout.numel, layout.bounds, signs=send)
-    if norms is not None:
-        scales = scales_from_norms(norms, layout.segment_counts)
-    else:
-        if mask is None or not _cpu_kernels.add_masked_(y, worker_error, mask):  # one pass on the CPU
-            y.add_(worker_error)
-            _zero_masked(y, layout)
-        scales = segment_scales(y, layout.bounds, layout.segment_counts)
-        send[:, :nb] = pack_signs(y.view(p, c))
+    y.add_(worker_error)
+    _zero_masked(y, layout)
+    scales = segment_scales(y, layout.bounds, layout.segment_counts)
+    send[:, :nb] = pack_signs(y.view(p, c))
     scales.masked_fill_(~torch.isfinite(scales).all(), math.nan)  # every server will see it
     send[:, nb : nb + sb] = scales.view(torch.uint8).view(p, sb)
     if q:
@@ -160,13 +151,9 @@ def compressed_allreduce(
     # the P copies, each scaled by 1/P, summed in rank order: z = mean_i C[y_ik] + e_s
     out_row = torch.empty(row, dtype=torch.uint8, device=device)
     scaled = worker_scales.reshape(-1) / p
-    z, norms = _server_sum(recv, nb, scaled, bounds, server_error, y.view(p, c), layout, k * c, out_row[None])
-    counts = layout.chunk_segment_counts(k)
-    if norms is None:
-        s = segment_scales(z, bounds, counts)
-        out_row[:nb] = pack_signs(z)
-    else:  # z's signs are in out_row already
-        s = scales_from_norms(norms, counts)
+    z = _server_sum(recv, nb, scaled, bounds, server_error, y.view(p, c), layout, k * c)
+    s = segment_scales(z, bounds, layout.chunk_segment_counts(k))
+    out_row[:nb] = pack_signs(z)
     s.masked_fill_(~ok, math.nan)
     out_row[:nb].masked_fill_(~ok, 0)
     out_row[nb : nb + sb] = s.view(torch.uint8)
@@ -185,48 +172,29 @@ def compressed_allreduce(
     server_scales = gathered[:, nb : nb + sb].contiguous().view(torch.float32).view(-1)
     if q:
         _lane_back(exact, gathered[:, nb + sb :])
-    if mask is not None and _cpu_kernels.decompress_(gathered[:, :nb], server_scales, layout.bounds, y, mask):
-        return y  # masked in the same pass (a NaN stays NaN: NaN * 0 is NaN)
     result = decompress(gathered[:, :nb], server_scales, layout.bounds, out=y)
     _zero_masked(result, layout, unless=~ok)  # a bad step's result stays NaN everywhere
     return result
 
 
-def _caller_mask(layout: ChunkLayout, start: int, n: int) -> Tensor | None:
-    """The mask of layout positions ``start .. start + n`` if the caller masked any; ``None`` if only padding is."""
-    return None if layout.fully_unmasked else layout.mask[start : start + n]
-
-
 def _server_sum(
     recv: Tensor, nb: int, scales: Tensor, bounds: tuple[int, ...], error: Tensor, into: Tensor,
-    layout: ChunkLayout, start: int, signs: Tensor,
-) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    layout: ChunkLayout, start: int,
+) -> Tensor:  # fmt: skip
     """``C_0 + e_s + C_1 + ... + C_{P-1}`` (rank order) from the received rows' signs, masked, in ``into[0]``.
 
     ``scales``: the ``P`` workers' segment scales of this chunk, already divided by ``P``, row by
-    row; ``into``: ``(P, c)`` float32 scratch; the chunk starts at layout position ``start``. On
-    the CPU one pass (the fused kernel), which also gives the segments' norms and writes the sum's
-    packed signs into the first ``nb`` bytes of ``signs`` (uint8, ``(1, row bytes)``); elsewhere the
-    ``P`` copies side by side, then summed row by row (much faster than a sum over dim 0 on the CPU),
-    then masked: the same bits. Returns the sum and its segments' norms (``None`` where not taken,
-    and then no signs written).
+    row; ``into``: ``(P, c)`` float32 scratch; the chunk starts at layout position ``start``. The
+    ``P`` copies side by side, then summed row by row (much faster than a sum over dim 0 on the
+    CPU), then masked.
     """
     p, c = into.shape
-    mask = _caller_mask(layout, start, c)
-    zero_from = layout.numel - start
-    norms = _cpu_kernels.decompress_sum_norms_(recv, scales, bounds, error, into[0], mask, zero_from, signs)
-    if norms is not None:
-        return into[0], norms
-    if _cpu_kernels.decompress_sum_(recv, scales, bounds, error, into[0], mask):
-        if mask is None:
-            _zero_masked(into[0], layout, start=start)  # the padding at the end, if this chunk holds it
-        return into[0], None
     copies = decompress(recv[:, :nb], scales, _tile(bounds, p), out=into.view(-1)).view_as(into)
     z = copies[0].add_(error)
     for i in range(1, p):
         z.add_(copies[i])
     _zero_masked(z, layout, start=start)
-    return z, None
+    return z
 
 
 def _masked_error(
@@ -234,11 +202,8 @@ def _masked_error(
 ) -> None:
     """``out = x - C[x]`` (:func:`~hf_zeroone.compression.compression_error`), masked.
 
-    ``x`` holds layout positions ``start ..``. On the CPU the caller's mask is applied in the same pass.
+    ``x`` holds layout positions ``start ..``.
     """
-    mask = _caller_mask(layout, start, x.numel())
-    if mask is not None and _cpu_kernels.compression_error_(x, scales, bounds, out, mask):
-        return
     _zero_masked(compression_error(x, scales, bounds, out=out), layout, start)
 
 

@@ -54,8 +54,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone import _cpu_kernels
-
 __all__ = [
     "ChunkLayout",
     "FLOAT8_BLOCK",
@@ -112,9 +110,6 @@ def pack_signs(x: Tensor) -> Tensor:
             "pad the input with padded_length() first"
         )
     x = x.detach()
-    fused = _cpu_kernels.pack_signs(x) if x.dtype == torch.float32 else None  # one pass on the CPU
-    if fused is not None:
-        return fused
     if x.device.type == "cpu" and x.dtype in _NUMPY_DTYPES:
         packed = np.packbits(np.signbit(x.numpy()), axis=-1)
         np.invert(packed, out=packed)
@@ -297,9 +292,7 @@ def segment_scales(x: Tensor, bounds: Sequence[int], counts: Tensor) -> Tensor:
     """
     _check_bounds(x, counts, bounds)
     segments = _segments(x, bounds)
-    norms = _cpu_kernels.norms(segments)  # on the CPU, one call (the same bits)
-    if norms is None:
-        norms = torch.stack(torch._foreach_norm(segments))
+    norms = torch.stack(torch._foreach_norm(segments))
     return scales_from_norms(norms, counts)
 
 
@@ -314,8 +307,6 @@ def compression_error(x: Tensor, scales: Tensor, bounds: Sequence[int], out: Ten
     ``out`` must not overlap ``x``. The signs are the ones :func:`pack_signs` sends.
     """
     _check_bounds(x, scales, bounds)
-    if _cpu_kernels.compression_error_(x, scales, bounds, out):  # one pass on the CPU
-        return out
     if _expands(x.device, bounds):
         torch.copysign(_expanded(scales, bounds), x, out=out)
         return torch.sub(x, out, out=out)
@@ -327,11 +318,6 @@ def compression_error(x: Tensor, scales: Tensor, bounds: Sequence[int], out: Ten
 
 def decompress(packed: Tensor, scales: Tensor, bounds: Sequence[int], out: Tensor | None = None) -> Tensor:
     """``C[x]`` from its packed signs and segment scales: a new flat float32 tensor, or ``out`` (flat, float32)."""
-    if packed.is_cpu:  # one pass on the CPU, the signs times their scales (the checks below where it declines)
-        target = torch.empty(8 * packed.numel(), dtype=torch.float32) if out is None else out
-        if _cpu_kernels.decompress_(packed, scales, bounds, target):
-            return target.reshape(-1)
-        out = target if out is None else out
     out = unpack_signs(packed, out=out).reshape(-1)
     _check_bounds(out, scales, bounds)
     if _expands(out.device, bounds):

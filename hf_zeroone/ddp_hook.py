@@ -176,11 +176,11 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     flat = opt.flat_cache.get(params)
     message, n = flat.new_message(), flat.layout.numel
     message[n:].zero_()
-    measured = opt.messages.write(kind, params, grads, flat.views(message))
+    opt.messages.write(kind, params, grads, flat.views(message))
     # Exactly averaged beside the 1-bit message, in the same two collectives: on 1-bit momentum
     # steps the local squared norms (gradient-sized norms for clipping) and the gradient's scale
     # (hf_zeroone.optim._grad_scale); on every 1-bit step the flags of masked rows that moved.
-    lane = opt.messages.lane(kind, params, grads, measured)
+    lane = opt.messages.lane(kind, params, grads)
     fut = opt.comm.compressed_allreduce_async(message, flat.worker_error, flat.server_error, flat.layout, lane)
     dtype = buffer.dtype
 

@@ -8,7 +8,7 @@ from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _variance_views
 from hf_zeroone.optim._grad_scale import sample_statistics
 from hf_zeroone.optim._memory import state_bytes
-from hf_zeroone.optim._variance_views import HandedDenominators, VarianceViews
+from hf_zeroone.optim._variance_views import VarianceViews
 
 
 def _fresh(vs, c2, eps):
@@ -173,111 +173,6 @@ def test_through_the_hook_on_two_ranks_reusing_them_changes_no_bit(cls_name, kwa
     fresh, _ = run_ranks(_train_two_ranks, 2, cls_name, kwargs, False)[0]
     assert len(kinds) >= 2, kinds  # the frozen-variance kinds were reached
     assert all(torch.equal(a, b) for a, b in zip(cached, fresh))
-
-
-def test_handed_denominators_are_taken_once_and_only_while_what_made_them_stands():
-    """A hook's denominators reach step() only if v, the kind, c2, eps and the scale factor are unchanged."""
-    params = [torch.zeros(4), torch.zeros(3), torch.zeros(2), torch.zeros(5)]
-    vs = [torch.rand(p.shape) + 0.1 for p in params]
-    factors = [torch.tensor(1.5), torch.tensor(0.5), None, torch.tensor(2.0)]
-    dens = [torch.rand(p.shape) for p in params]
-    context = ("onebit_momentum", 0.5, 1e-8)
-    handed = HandedDenominators()
-    handed.keep(params, vs, context, factors, dens)
-    assert handed and sum(t.numel() for t in handed.held()) == 14  # counted while held (state_bytes)
-    vs[1].mul_(2.0)  # v written in place
-    now = [factors[0].clone(), factors[1], None, torch.tensor(2.5)]  # the same value anew; another value
-    taken = handed.take(params, vs, context, now)
-    assert taken[0] is dens[0] and taken[2] is dens[2]
-    assert taken[1] is None and taken[3] is None
-    assert not handed and handed.take(params, vs, context, now) == [None] * 4  # taken once
-    handed.keep(params, vs, context, factors, dens)
-    assert handed.take(params, vs, ("onebit_momentum", 0.5, 1e-6), factors) == [None] * 4  # another eps
-    handed.keep(params, vs, context, factors, dens)
-    assert handed.take(params, [v.clone() for v in vs], context, factors) == [None] * 4  # other tensors (a load)
-    handed.keep(params, vs, context, factors, dens)
-    other = [None, factors[1], torch.tensor(1.0), torch.tensor(2.0)]  # a factor where none was, and none where one was
-    assert handed.take(params, vs, context, other) == [None, dens[1], None, dens[3]]
-    nan = [torch.tensor(float("nan")), factors[1], None, factors[3]]
-    handed.keep(params, vs, context, nan, dens)
-    assert handed.take(params, vs, context, nan)[0] is None  # a NaN factor never matches: made afresh
-    for changed in (("onebit_gradient", 0.5, 1e-8), ("onebit_momentum", 0.25, 1e-8)):  # another kind, another c2
-        handed.keep(params, vs, context, factors, dens)
-        assert handed.take(params, vs, changed, factors) == [None] * 4
-    handed.keep(params, vs, context, factors, dens)
-    handed.clear()
-    assert not handed.held()
-
-
-def test_zero_grad_drops_what_a_hook_kept_for_a_step_never_taken():
-    """A GradScaler skips step() after the hook: zero_grad() forgets its denominators, nothing full-size stays."""
-    model = torch.nn.Linear(64, 64)
-    opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2)
-    params = list(model.parameters())
-    opt.handed_denominators.keep(params, [torch.rand_like(p) for p in params], ("k", 1.0, 1e-8), [None, None],
-                                 [torch.rand_like(p) for p in params])  # fmt: skip
-    assert state_bytes(opt).get("handed_denominators", 0) >= 4 * 64 * 65
-    opt.zero_grad()
-    assert "handed_denominators" not in state_bytes(opt) and not opt.handed_denominators
-
-
-def _sqrts_in_step(rank, world, cls_name, kwargs, handed):
-    """Through the DDP hook on 2 ranks: the square roots step() takes per step kind, and the final parameters."""
-    import collections
-
-    if not handed:
-        HandedDenominators.keep = lambda self, *args: None
-    from hf_zeroone import _cpu_kernels
-
-    sqrt, ratio_norms = torch._foreach_sqrt, _cpu_kernels.masked_ratio_norms
-    in_step, counts = [False], collections.Counter()
-
-    def counted(tensors):
-        counts["now"] += in_step[0]
-        return sqrt(tensors)
-
-    def counted_ratios(*args):
-        counts["ratios in the hook"] += not in_step[0]
-        return ratio_norms(*args)
-
-    def step(opt):
-        in_step[0], counts["now"] = True, 0
-        opt.step()
-        in_step[0] = False
-        counts[opt.last_step_kind.value] += counts["now"]
-        counts[f"steps {opt.last_step_kind.value}"] += 1
-        counts[f"ratios by {opt.last_step_kind.value}"] += counts.pop("ratios in the hook", 0)
-
-    torch._foreach_sqrt, _cpu_kernels.masked_ratio_norms = counted, counted_ratios
-    params = _hooked_steps(rank, cls_name, kwargs, step)
-    del counts["now"]
-    counts["own norm"] = int(_cpu_kernels._own_norm)
-    counts["kernels"] = int(_cpu_kernels._library_or_none() is not None)
-    return params, dict(counts)
-
-
-@pytest.mark.parametrize(
-    "cls_name, kwargs, kind",
-    [
-        ("OneBitAdam", {"freeze_step": 6}, "onebit_momentum"),
-        ("ZeroOneAdam", {"var_freeze_step": 40, "exact_warmup_steps": 2}, "onebit_gradient"),
-    ],
-)
-def test_after_the_hook_step_takes_no_square_root_and_the_bits_stay(cls_name, kwargs, kind):
-    """The hook's denominators serve the update: no sqrt(v) in step() on 1-bit steps, and the same parameters."""
-    from _dist import run_ranks
-
-    handed, counts = run_ranks(_sqrts_in_step, 2, cls_name, kwargs, True)[0]
-    fresh, fresh_counts = run_ranks(_sqrts_in_step, 2, cls_name, kwargs, False)[0]
-    assert counts[f"steps {kind}"] >= 5, counts
-    if not counts["kernels"]:  # without the CPU kernels the hook frees its denominators: step() makes its own
-        pytest.skip("the fused CPU kernels are off on this machine: nothing is handed on")
-    assert counts[kind] == 0, counts
-    assert fresh_counts[kind] >= counts[f"steps {kind}"], fresh_counts  # step() took its own before
-    assert all(torch.equal(a, b) for a, b in zip(handed, fresh))
-    # the lane's ratio norms come from the messages' pass where the library's norm is used, not a second read
-    ratios = counts.get(f"ratios by {kind}", 0)
-    assert ratios == 0 if counts["own norm"] else ratios > 0, counts
 
 
 def test_scale_samples_count_exactly_the_elements_at_or_above_the_idle_floor():

@@ -93,7 +93,7 @@ class CompressedAdamBase(OptimizerBooks):
             run-length sweep it moved the final loss by no more than the spread between seeds
             against bf16 (``docs/frontier.md``, ``docs/convergence.md``); it costs one more round
             per exact step (two collectives where bf16 makes one).
-            ``torch.bfloat16`` (or ``"bfloat16"``; the default until float8 replaced it, CHANGELOG)
+            ``torch.bfloat16`` (or ``"bfloat16"``)
             sends half of fp32's bytes in one collective, as DDP's ``bf16_compress_hook`` does for
             plain DDP: each gradient is rounded to 8 bits of mantissa before the average, and the
             samples with it.
@@ -184,7 +184,6 @@ class CompressedAdamBase(OptimizerBooks):
             return self._step(kind, loss)
         finally:
             self._step_denominators = None
-            self.handed_denominators.clear()
             self.variance_views.release()
             self.variance_views.settle()
 
@@ -380,10 +379,8 @@ class CompressedAdamBase(OptimizerBooks):
         """As :meth:`torch.optim.Optimizer.zero_grad`; also forgets a hook's results never stepped on.
 
         After a step that was not taken (a GradScaler skip), the next gradients must not be taken
-        for combined results unless the hook runs again; the denominators the hook kept for that
-        step's update (:class:`~._variance_views.HandedDenominators`) are dropped with them.
+        for combined results unless the hook runs again.
         """
         self.communicated_step = None
-        self.handed_denominators.clear()
         self.grad_generation += 1
         super().zero_grad(set_to_none=set_to_none)

@@ -32,7 +32,7 @@ from hf_zeroone.optim._step_kind import (
     check_exact_step_dtype,
     check_param_group,
 )
-from hf_zeroone.optim._variance_views import HandedDenominators, SampleStatistics, VarianceViews
+from hf_zeroone.optim._variance_views import SampleStatistics, VarianceViews
 
 __all__ = ["DEFAULT_CHECK_REPLICAS_EVERY", "UNSET_FREEZE_STEP", "OptimizerBooks"]
 
@@ -112,7 +112,6 @@ class OptimizerBooks(Optimizer):
         #: the denominators and sample statistics of each v, computed once per version (see ._variance_views)
         self.variance_views = VarianceViews()
         #: a DDP hook's denominators of this step, for its update (see ._variance_views)
-        self.handed_denominators = HandedDenominators()
         self._prepared_step = -1
         #: whether the ranks' settings were compared (:mod:`._agreement`), at the first step after a build or a load
         self._ranks_agree = False
@@ -333,30 +332,21 @@ class OptimizerBooks(Optimizer):
         params: Sequence[Tensor],
         kind: StepKind,
         c2: float,
-        keep_plain: bool = False,
-        hand_on: bool = False,
     ) -> list[Tensor]:
         """``sqrt(v / c2) + eps``; after the freeze ``v`` follows the gradient's scale (:mod:`._grad_scale`).
 
         Inside ``step()``, a frozen variance's denominators are computed once and reused by the
         clipping, the update and a sync (``v`` and the scale do not change within the step).
-        ``keep_plain``: outside ``step()``, the caller will ask for the plain denominators next and
-        release them (:meth:`~._messages.Messages.write` and ``finish``): one ``sqrt(v)`` for both.
-        ``hand_on``: outside ``step()`` (a DDP hook's messages), keep them for this step's update
-        (:class:`~._variance_views.HandedDenominators`), which then computes none.
         """
         cache = getattr(self, "_step_denominators", None)
         if cache is None or kind is StepKind.EXACT:
-            hand_on = hand_on and cache is None and kind.frozen_variance
-            return self._compute_denominators(group, params, kind, c2, keep_plain, hand_on)
+            return self._compute_denominators(group, params, kind, c2)
         whole = cache.get((id(params[0]), len(params), kind, c2)) if params else None
         if whole is not None and len(whole[0]) == len(params) and all(map(operator.is_, whole[0], params)):
             return list(whole[1])  # the same list again (the update after the clipping, a sync)
         missing = [p for p in params if (id(p), kind, c2) not in cache]
-        if missing and self.handed_denominators:
-            missing = self._take_handed(group, missing, kind, c2, cache)
         if missing:
-            fresh = self._compute_denominators(group, missing, kind, c2, keep_plain)
+            fresh = self._compute_denominators(group, missing, kind, c2)
             cache.update(((id(p), kind, c2), d) for p, d in zip(missing, fresh))
         dens = [cache[(id(p), kind, c2)] for p in params]
         if params:
@@ -364,13 +354,7 @@ class OptimizerBooks(Optimizer):
         return dens
 
     def _compute_denominators(
-        self,
-        group: dict[str, Any],
-        params: Sequence[Tensor],
-        kind: StepKind,
-        c2: float,
-        keep_plain: bool = False,
-        hand_on: bool = False,
+        self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float
     ) -> list[Tensor]:
         factors = self.scale_factors(group, params) if kind.frozen_variance else None
         v = [self.state[p]["exp_avg_sq"] for p in params]
@@ -378,7 +362,7 @@ class OptimizerBooks(Optimizer):
             factors is None
             or all(f is None for f in factors)
             or not all(t.dtype == torch.float32 for t in v)
-            or not (keep_plain or self._plain_denominators_follow(kind))
+            or not self._plain_denominators_follow(kind)
         ):
             dens = F.denominators(v, c2, group["eps"], factors)
         else:
@@ -386,23 +370,7 @@ class OptimizerBooks(Optimizer):
             # one sqrt(v) for both (the plain ones kept in variance_views, where they are looked up)
             plain, dens = F.split_denominators(v, c2, group["eps"], factors)
             self.variance_views.offer(params, v, c2, group["eps"], plain)
-        if hand_on:
-            self.handed_denominators.keep(params, v, (kind, c2, group["eps"]), factors or [None] * len(v), dens)
         return dens
-
-    def _take_handed(
-        self, group: dict[str, Any], params: Sequence[Tensor], kind: StepKind, c2: float, cache: dict
-    ) -> list[Tensor]:
-        """Put the hook's denominators of ``params`` that still stand into this step's ``cache``; the rest, in order."""
-        v = [self.state[p]["exp_avg_sq"] for p in params]
-        factors = (self.scale_factors(group, params) if kind.frozen_variance else None) or [None] * len(v)
-        left = []
-        for p, d in zip(params, self.handed_denominators.take(params, v, (kind, c2, group["eps"]), factors)):
-            if d is None:
-                left.append(p)
-            else:
-                cache[(id(p), kind, c2)] = d
-        return left
 
     def _plain_denominators_follow(self, kind: StepKind) -> bool:
         """Whether, inside ``step()``, this step's scale samples are still to be taken from local gradients.
@@ -516,7 +484,6 @@ class OptimizerBooks(Optimizer):
         self._group_of = None  # torch's load puts new dicts in param_groups: the table's are stale
         self.flat_cache.clear()
         self.variance_views.clear()
-        self.handed_denominators.clear()
         self._prepared_step = -1
         self._ranks_agree = False  # every rank loads: the next step compares the loaded settings
         self.communicated_step = None

@@ -52,8 +52,8 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
             dtype = opt.exact_message_dtype(params[0].dtype)
             message = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
             views = functools.partial(consecutive_views, params)
-        measured = opt.messages.write(kind, params, grads, views(message))
-        lane = opt.messages.lane(kind, params, grads, measured)
+        opt.messages.write(kind, params, grads, views(message))
+        lane = opt.messages.lane(kind, params, grads)
         if kind.compressed:
             combined = opt.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout, lane)
         else:

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone import _cpu_kernels
 from hf_zeroone._tensors import (
     add_scalar_,
     apply_per_tensor,
@@ -51,7 +50,6 @@ __all__ = [
     "clip_to_variance",
     "denominators",
     "from_update_units",
-    "fuses_on_cpu",
     "implied_gradients",
     "l2_gradients",
     "local_sq_norms",
@@ -109,16 +107,12 @@ def denominators(
 
     if factors is None or all(f is None for f in factors):
         out = sqrt_of(range(len(exp_avg_sqs)))
-        if _cpu_kernels.plain_denominators_(out, math.sqrt(c2), eps):  # the division and eps in one pass
-            return out
         div_scalar_(out, math.sqrt(c2))
     elif not stacks_by_shape(exp_avg_sqs[0].device):  # one multi-tensor call, tensor by tensor
         out = sqrt_of(range(len(exp_avg_sqs)))
         plain = [d for d, f in zip(out, factors) if f is None]
         scaled = [(d, f) for d, f in zip(out, factors) if f is not None]
         multipliers = root_multipliers([f for _, f in scaled], c2)
-        if not plain and _cpu_kernels.scaled_denominators_(out, multipliers, eps):  # every tensor scaled
-            return out
         if plain:
             div_scalar_(plain, math.sqrt(c2))
         # each tensor's multiplier rounded to its own dtype, as the stacked form does (a group may mix them)
@@ -157,15 +151,10 @@ def split_denominators(
     """The plain denominators ``sqrt(v / c2) + eps`` and the scaled ``sqrt(v) sqrt(f / c2) + eps``, one ``sqrt(v)``.
 
     ``factors``: 0-dim tensors (the scale of ``follow_gradient_scale``), ``None`` where unscaled. The same
-    bits as :func:`root_denominators` and :func:`denominators` with ``roots=``; on the CPU in one
-    pass after the square roots (:mod:`hf_zeroone._cpu_kernels`).
+    bits as :func:`root_denominators` and :func:`denominators` with ``roots=``.
     """
     exp_avg_sqs, factors = list(exp_avg_sqs), list(factors)
     roots = list(torch._foreach_sqrt(exp_avg_sqs))
-    if exp_avg_sqs and not stacks_by_shape(exp_avg_sqs[0].device) and all(f is not None for f in factors):
-        plain = _cpu_kernels.split_denominators_(roots, math.sqrt(c2), root_multipliers(factors, c2), eps)
-        if plain is not None:
-            return plain, roots
     return root_denominators(roots, c2, eps), denominators(exp_avg_sqs, c2, eps, factors, roots=roots)
 
 
@@ -208,8 +197,7 @@ def adam_update(
     """One Adam update of every parameter (see the module docstring); returns the denominators used.
 
     ``divisors``: 0-dim float32 tensors (``None`` where none), by which each float32 gradient is
-    divided first (:meth:`~._messages.Messages.undo_norm_proxies`); on the CPU inside the update's
-    pass, without a divided copy of the gradients.
+    divided first (:meth:`~._messages.Messages.undo_norm_proxies`).
     """
     params, grads, exp_avgs = list(params), list(grads), list(exp_avgs)
     if divisors is not None and update_variance:  # v reads the divided gradients: divide them first
@@ -219,13 +207,7 @@ def adam_update(
         torch._foreach_addcmul_(list(exp_avg_sqs), grads, grads, value=1.0 - beta2)
     dens = make_denominators()  # from v alone: the momentum and parameters below do not enter them
     if divisors is not None:
-        one = torch.ones((), dtype=torch.float32, device=grads[0].device)
-        joined_divisors = torch.stack([one if d is None else d for d in divisors])
-        if _cpu_kernels.adam_update_(params, grads, exp_avgs, dens, 1.0 - beta1, decay, -lr / c1, joined_divisors):
-            return dens  # the division and the three passes below in one (the CPU)
         grads = divided(grads, divisors)
-    elif _cpu_kernels.adam_update_(params, grads, exp_avgs, dens, 1.0 - beta1, decay, -lr / c1):
-        return dens  # the three passes below in one (the CPU)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     if decay != 1.0:
         mul_scalar_(params, decay)
@@ -290,33 +272,18 @@ def to_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: Ten
 
 def from_update_units(
     values: Sequence[Tensor], dens: Sequence[Tensor], means: Tensor,
-    implied_from: Sequence[Tensor] | None = None, beta1: float = 0.0, norms: bool = False,
-) -> Tensor | None:  # fmt: skip
+    implied_from: Sequence[Tensor] | None = None, beta1: float = 0.0,
+) -> None:  # fmt: skip
     """The inverse of :func:`to_update_units`, in place: each value times ``d / mean(d)``.
 
     With ``implied_from`` (the momenta), each value is then a combined momentum turned into the
-    gradient it implies (:func:`implied_gradients`). On the CPU both in one pass per tensor.
-    ``norms``: return each result's :func:`float32_norms` where the CPU kernels take them from that
-    same pass (``None`` otherwise: the caller takes them).
+    gradient it implies (:func:`implied_gradients`).
     """
     values = list(values)
-    weight = 1.0 / (1.0 - beta1)
-    if norms:
-        found = _cpu_kernels.from_update_units_norms_(values, dens, implied_from, means, weight)
-        if found is not None:
-            return found
-    if _cpu_kernels.from_update_units_(values, dens, implied_from, means, weight):
-        return None
     torch._foreach_mul_(values, list(dens))
     apply_per_tensor("div", values, list(means.unbind()), in_place=True)
     if implied_from is not None:
         implied_gradients(implied_from, values, beta1)
-    return None
-
-
-def fuses_on_cpu(tensors: Sequence[Tensor]) -> bool:
-    """Whether the fused CPU kernels are on and ``tensors`` (a list's first) are on the CPU, where they may run."""
-    return bool(tensors) and tensors[0].is_cpu and _cpu_kernels.enabled()
 
 
 def update_unit_messages(
@@ -328,36 +295,16 @@ def update_unit_messages(
     beta1: float = 0.0,
     units: tuple[Sequence[Tensor], Tensor] | None = None,
     l2: tuple[Sequence[Tensor], float] | None = None,
-    measure: tuple[Tensor, Sequence[bool], bool] | None = None,
-) -> tuple[Tensor | None, Tensor] | None:
+) -> None:
     """1-bit gradient or momentum messages into ``outs``: the chain of :class:`~._messages.Messages.write`.
 
     Each gradient clipped to the variance (:func:`clip_to_variance`, with ``clip_dens``; not when
     ``None``), given its L2 term (``l2``: the parameters and the weight decay, :func:`l2_gradients`),
     turned into a momentum message when ``exp_avgs`` is given (:func:`momentum_messages`), then put
     in units of the update when ``units`` (the plain denominators and their means,
-    :func:`to_update_units`). On the CPU, without an L2 term and in units, one pass per tensor.
-
-    ``measure``: ``(floors, masked, grad_norms)``; where the CPU kernels take them from the same pass,
-    returns what the exact lane will carry: each gradient's :func:`float32_norms` (with
-    ``grad_norms``, else ``None``) and the norm of its masked ratios to ``units``' denominators
-    (:func:`._grad_scale.scale_samples`). ``None`` otherwise: the caller measures.
+    :func:`to_update_units`).
     """
     grads, outs = list(grads), list(outs)
-    if units is not None and l2 is None:
-        dens, means = units
-        weight = 1.0 - beta1
-        if measure is not None:
-            floors, masked, grad_norms = measure
-            found = _cpu_kernels.update_unit_messages_norms_(
-                grads, clip_dens, exp_avgs, dens, outs, variance_bound(beta2), weight, means, floors, masked, grad_norms
-            )  # fmt: skip
-            if found is not None:
-                return found
-        if _cpu_kernels.update_unit_messages_(
-            grads, clip_dens, exp_avgs, dens, outs, variance_bound(beta2), weight, means
-        ):  # fmt: skip
-            return None
     if clip_dens is not None:
         grads = clip_to_variance(grads, clip_dens, beta2)
     if l2 is not None:
@@ -368,7 +315,6 @@ def update_unit_messages(
         momentum_messages(exp_avgs, grads, beta1, outs)
     if units is not None:
         to_update_units(outs, *units)
-    return None
 
 
 def variance_bound(beta2: float) -> float:
@@ -388,9 +334,6 @@ def clip_to_variance(grads: Sequence[Tensor], dens: Sequence[Tensor], beta2: flo
     Adam's own steps have, and every 1-bit message in update units stays bounded.
     """
     grads = list(grads)
-    fused = _cpu_kernels.clip_to_bounds(grads, dens, variance_bound(beta2))  # one pass per tensor on the CPU
-    if fused is not None:
-        return fused
     bounds = mul_scalar(as_dtypes(dens, grads), variance_bound(beta2))
     out = list(torch._foreach_minimum(grads, bounds))
     torch._foreach_neg_(bounds)

@@ -61,7 +61,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone import _cpu_kernels
 from hf_zeroone._tensors import joined, mul_scalar_, per_tensor_operand, shape_groups, stacks_by_shape
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._scalar_vectors import adopt, as_vector
@@ -189,7 +188,6 @@ def scale_samples(
     counts: Tensor,
     idle: Sequence[bool] | None,
     eps: float = 0.0,
-    ratio_norms: Tensor | None = None,
 ) -> Tensor:
     """``q``: each gradient's mean square once normalised by the variance, as one float32 vector.
 
@@ -199,19 +197,11 @@ def scale_samples(
     element by element, so that a few elements with large gradients do not speak for the whole
     tensor, and elements with next to no variance do not either. ``idle``: per tensor, whether
     any element is inactive (``None``: unknown, every tensor is masked). The tensors are one
-    parameter group's. ``ratio_norms``: the norms of the masked ratios, where a pass that read the
-    gradients measured them already (:func:`._functional.update_unit_messages`).
+    parameter group's.
     """
-    if ratio_norms is not None:
-        return ratio_norms.square().div_(counts)
     grads, dens = F.as_dtype(grads, torch.float32), list(dens)
     floors = idle_floors(means, eps)
-    on_cpu = not dens or not stacks_by_shape(dens[0].device)
-    masked = [True] * len(grads) if idle is None else idle
-    fused = _cpu_kernels.masked_ratio_norms(grads, dens, floors, masked) if on_cpu else None
-    if fused is not None:  # the division and the mask in one pass per tensor, no ratios kept
-        return fused.square_().div_(counts)
-    if on_cpu:  # the CPU without the kernels: one masked fill per tensor
+    if not dens or not stacks_by_shape(dens[0].device):  # the CPU: one masked fill per tensor
         ratios = list(torch._foreach_div(grads, dens))
         for i, (r, d, floor) in enumerate(zip(ratios, dens, floors.unbind())):
             if idle is None or idle[i]:

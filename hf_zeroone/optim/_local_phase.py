@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone import _cpu_kernels
 from hf_zeroone._tensors import all_finite
 from hf_zeroone.optim._functional import as_dtypes, by_group
 from hf_zeroone.optim._step_kind import StepKind
@@ -61,10 +60,9 @@ def displacements(params: list[Tensor], states: list[dict[str, Any]], outs: list
     if plain:
         derived, synced = [outs[i] for i in plain], [states[i]["sync_param"] for i in plain]
         decays, moved = [float(states[i]["decay_prod"]) for i in plain], [params[i] for i in plain]
-        if not _cpu_kernels.scaled_difference_(derived, synced, moved, decays):  # one pass on the CPU
-            torch._foreach_copy_(derived, synced)
-            _scale_unless_one(derived, decays)
-            torch._foreach_sub_(derived, moved)
+        torch._foreach_copy_(derived, synced)
+        _scale_unless_one(derived, decays)
+        torch._foreach_sub_(derived, moved)
     done = set(plain)
     for i, (p, st, out) in enumerate(zip(params, states, outs)):
         if i not in done:
@@ -73,11 +71,6 @@ def displacements(params: list[Tensor], states: list[dict[str, Any]], outs: list
 
 def new_displacements(params: list[Tensor], states: list[dict[str, Any]]) -> list[Tensor]:
     """:func:`displacement` of every parameter, as new float32 tensors (a sync's values in one process)."""
-    if all(p.dtype == torch.float32 and "update_accumulator" not in st for p, st in zip(params, states)):
-        decays = [float(st["decay_prod"]) for st in states]
-        fresh = _cpu_kernels.scaled_difference([st["sync_param"] for st in states], params, decays)
-        if fresh is not None:  # one pass, allocated in C++ (faster than torch.empty_like from Python)
-            return fresh
     outs = [torch.empty_like(p, dtype=torch.float32) for p in params]
     displacements(params, states, outs)
     return outs
@@ -164,21 +157,18 @@ def apply_sync(
         torch.mul(us[i], dens[i], out=states[i]["exp_avg"])
         states[i]["lr_sum"], states[i]["decay_prod"] = 0.0, 1.0
     if idle:
-        moving = [i for i in range(len(params)) if i not in set(idle)]
+        moving = sorted(set(range(len(params))) - set(idle))
         params, states, us, dens = ([xs[i] for i in moving] for xs in (params, states, us, dens))
         if not params:
             return
     synced, decays = [st["sync_param"] for st in states], [float(st["decay_prod"]) for st in states]
     scales = [c1 / st["lr_sum"] for st in states]
     exp_avgs = [st["exp_avg"] for st in states]
-    # the three steps below in one pass on the CPU
-    fused = _cpu_kernels.apply_sync_(params, synced, us, exp_avgs, dens, decays, scales, [True] * len(params))
-    if not fused:
-        torch._foreach_copy_(params, synced)
-        _scale_unless_one(params, decays)
-        torch._foreach_sub_(params, us)
-        torch._foreach_zero_(exp_avgs)
-        torch._foreach_addcmul_(exp_avgs, us, dens, scales)
+    torch._foreach_copy_(params, synced)
+    _scale_unless_one(params, decays)
+    torch._foreach_sub_(params, us)
+    torch._foreach_zero_(exp_avgs)
+    torch._foreach_addcmul_(exp_avgs, us, dens, scales)
     for p, st in zip(params, states):
         if "update_accumulator" in st:
             if accumulates_displacement(p):
@@ -186,8 +176,7 @@ def apply_sync(
             else:  # derived from now on (a checkpoint of an earlier version brought one)
                 del st["update_accumulator"]
         st["lr_sum"], st["decay_prod"] = 0.0, 1.0
-    if not fused:
-        torch._foreach_copy_(synced, params)
+    torch._foreach_copy_(synced, params)
 
 
 def note_local_step(states: list[dict[str, Any]], dens: list[Tensor], lr: float, c1: float, decay: float) -> None:

@@ -97,9 +97,6 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     views = getattr(optimizer, "variance_views", None)
     for t in views.held() if views is not None else ():
         add("variance_views", t)
-    handed = getattr(optimizer, "handed_denominators", None)
-    for t in handed.held() if handed is not None else ():
-        add("handed_denominators", t)
     messages = getattr(optimizer, "messages", None)
     for t in _tensors(getattr(messages, "norm_proxy_factors", {})):
         add("norm_proxy", t)

@@ -77,7 +77,7 @@ class Messages:
     def write(
         self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None], outs: Sequence[Tensor],
         units: bool = True,
-    ) -> tuple[Tensor | None, Tensor] | None:  # fmt: skip
+    ) -> None:  # fmt: skip
         """Write what this rank sends for each parameter in a ``kind`` step into ``outs`` (fp32, shaped like it).
 
         On the 1-bit gradient and momentum kinds each local gradient is first clipped to the frozen
@@ -86,56 +86,34 @@ class Messages:
         unless ``units`` is false (one process: nothing is compressed). Reads the optimizer state and
         leaves it unchanged, except for noting which masked rows received a gradient: a step that is
         later skipped (non-finite gradients, a GradScaler overflow) leaves no other trace.
-
-        Returns what :meth:`lane` would measure of these gradients (their norms on 1-bit momentum
-        steps, else ``None``, and their masked ratios' norms), where the CPU kernels took it from the
-        messages' pass (one parameter group); ``None`` otherwise. Pass it on to :meth:`lane`.
         """
         opt, state = self.opt, self.opt.state
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         if kind is StepKind.EXACT:
             torch._foreach_copy_(list(outs), grads)
-            return None
+            return
         if kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
             states = [state[p] for p in params]
             _local_phase.displacements(params, states, outs)
             _local_phase.idle_messages(opt, list(params), states, list(outs))
             if units:  # per unit of learning rate, in the frozen variance's units: see _local_phase.per_lr_units
                 apply_per_tensor("div", list(outs), self.sync_units(params), in_place=True)
-            return None
+            return
         for p, g in zip(params, grads):  # ONEBIT_GRADIENT, ONEBIT_MOMENTUM
             _masks.note_activity(state[p], g)
-        groups = opt.grouped(params, list(zip(grads, outs)))
-        measured = None
-        for group, ps, items in groups:
+        for group, ps, items in opt.grouped(params, list(zip(grads, outs))):
             gs, os_ = [g for g, _ in items], [o for _, o in items]
             c2 = opt._coefficients(group, kind)[1]
-            # on the CPU with the plain denominators of the units from the same sqrt(v) (finish releases
-            # them); elsewhere the scaled ones are freed before the plain ones are made (a bucket-sized peak)
-            keep_plain = units and F.fuses_on_cpu(ps)
-            clip_dens = (  # the update's too: on the CPU handed on to step() (see HandedDenominators)
-                opt._denominators(group, ps, kind, c2, keep_plain=keep_plain, hand_on=keep_plain)
-                if opt.clip_to_variance
-                else None
-            )
+            clip_dens = opt._denominators(group, ps, kind, c2) if opt.clip_to_variance else None
             momentum = kind is StepKind.ONEBIT_MOMENTUM
             l2 = momentum and group["weight_decay"] and not group["decoupled_weight_decay"]
-            measure = None
             if units:
                 dens, stats = opt.plain_denominators(group, ps, c2)
-                # the lane's norms (lane()) from the messages' pass, where it measures one group's samples
-                if len(groups) == 1 and opt.follow_gradient_scale and c2 == opt._variance_correction(group):
-                    masked = [True] * len(ps) if stats.idle is None else stats.idle
-                    measure = (_grad_scale.idle_floors(stats.means, stats.idle_eps), masked, momentum)
-            found = F.update_unit_messages(
+            F.update_unit_messages(
                 gs, os_, group["betas"][1], clip_dens,
                 exp_avgs=[state[p]["exp_avg"] for p in ps] if momentum else None, beta1=group["betas"][0],
                 units=(dens, stats.means) if units else None, l2=(ps, group["weight_decay"]) if l2 else None,
-                measure=measure,
             )  # fmt: skip
-            if found is not None:
-                measured = found
-        return measured
 
     def errors_to_gradient_units(self, group: dict[str, Any], params: Sequence[Tensor]) -> list[Tensor]:
         """Before ``v`` changes: each error buffer of ``params`` into gradient units, in place; the parameters with one.
@@ -182,32 +160,21 @@ class Messages:
             factors.update(zip(map(id, ps), opt.scale_factors(group, ps) or [None] * len(ps)))
         return _local_phase.per_lr_units([opt.state[p] for p in params], [factors[id(p)] for p in params])
 
-    def scale_samples(
-        self, params: Sequence[Tensor], grads: Sequence[Tensor | None], ratio_norms: Tensor | None = None
-    ) -> Tensor:
-        """Samples of ``follow_gradient_scale`` from local gradients (:func:`._grad_scale.scale_samples`), in order.
-
-        ``ratio_norms``: one group's norms of the masked ratios, measured already (:meth:`write`).
-        """
+    def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
+        """Samples of ``follow_gradient_scale`` from local gradients (:func:`._grad_scale.scale_samples`), in order."""
         opt = self.opt
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         out: dict[int, Tensor] = {}
         groups = opt.grouped(params, grads)
         for group, ps, gs in groups:
             dens, stats = opt.plain_denominators(group, ps, opt._variance_correction(group))
-            values = _grad_scale.scale_samples(
-                gs, dens, stats.means, stats.counts, stats.idle, stats.idle_eps,
-                ratio_norms=ratio_norms if len(groups) == 1 else None,
-            )  # fmt: skip
+            values = _grad_scale.scale_samples(gs, dens, stats.means, stats.counts, stats.idle, stats.idle_eps)
             if len(groups) == 1:  # one group's tensors, in the order asked
                 return values
             out.update(zip(map(id, ps), values.unbind()))
         return torch.stack([out[id(p)] for p in params])
 
-    def lane(
-        self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None],
-        measured: tuple[Tensor | None, Tensor] | None = None,
-    ) -> Tensor | None:  # fmt: skip
+    def lane(self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor | None:
         """The floats a ``kind`` step averages exactly beside the messages of ``params`` (its exact lane), or ``None``.
 
         In this order: on 1-bit momentum steps each local gradient's squared norm (clipping sees
@@ -215,17 +182,15 @@ class Messages:
         steps of several ranks, when ``follow_gradient_scale`` is on, its samples (:mod:`._grad_scale`);
         on compressed steps,
         one flag per masked row of ``params``, 1 where this rank's gradients touched it since the
-        last agreement (:mod:`._masks`). Call it after :meth:`write` (which notes that activity), with
-        what that call returned for the same arguments (``measured``: norms it took already).
+        last agreement (:mod:`._masks`). Call it after :meth:`write` (which notes that activity).
         """
         parts = []
-        grad_norms, ratio_norms = measured if measured is not None else (None, None)
         if kind is StepKind.ONEBIT_MOMENTUM:
-            parts.append(F.local_sq_norms(grads, grad_norms))
+            parts.append(F.local_sq_norms(grads))
         if self.opt.follow_gradient_scale and (
             kind.communicates_in_backward and (kind.compressed or self.opt.comm.is_distributed)
         ):
-            parts.append(self.scale_samples(params, grads, ratio_norms))
+            parts.append(self.scale_samples(params, grads))
         if kind is StepKind.ONEBIT_SYNC and self.opt.follow_gradient_scale:  # the interval's local samples
             parts.append(torch.stack([self.opt.gradient_scale.pending(self.opt.state[p], p) for p in params]))
         if kind.compressed:
@@ -251,24 +216,19 @@ class Messages:
         local gradients' noise excess (see :mod:`._grad_scale`).
         """
         opt, n = self.opt, len(params)
-        norms = None  # the implied gradients' norms, where one group's pass gave them
         if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):  # out of the units of write()
             momentum = kind is StepKind.ONEBIT_MOMENTUM
-            groups = opt.grouped(params, views)
-            for group, ps, vs in groups:
+            for group, ps, vs in opt.grouped(params, views):
                 dens, stats = opt.plain_denominators(group, ps, opt._coefficients(group, kind)[1])
                 # a combined momentum becomes the gradient it implies (F.implied_gradients)
                 momenta = [opt.state[p]["exp_avg"] for p in ps] if momentum else None
-                norms = F.from_update_units(
-                    vs, dens, stats.means, implied_from=momenta, beta1=group["betas"][0],
-                    norms=momentum and len(groups) == 1,
-                )  # fmt: skip
+                F.from_update_units(vs, dens, stats.means, implied_from=momenta, beta1=group["betas"][0])
         if kind is StepKind.ONEBIT_SYNC:  # out of the units of write()
             apply_per_tensor("mul", list(views), self.sync_units(params), in_place=True)
         rest = lane
         if kind is StepKind.ONEBIT_MOMENTUM:
             averaged = self._averaged_sq_norms(params, rest[:n])
-            for p, entry in zip(params, F.norm_proxy_factors(views, averaged, norms)):
+            for p, entry in zip(params, F.norm_proxy_factors(views, averaged)):
                 self.norm_proxy_factors[p] = entry
             rest = rest[n:]
         if opt.follow_gradient_scale and (

@@ -19,9 +19,6 @@ a checkpoint load or a changed ``eps`` recomputes it; nothing stale can be read.
 Two lifetimes keep what the optimizer holds between steps as documented (:mod:`._memory`): the
 full-size denominators are dropped when the step ends (:meth:`VarianceViews.release`); the
 per-tensor statistics (a few floats per tensor) stay.
-
-:class:`HandedDenominators` carries the scaled denominators a DDP hook clipped with on the CPU to
-the same step's update, under the same checks, and is emptied when the step ends.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ from torch import Tensor
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._grad_scale import sample_statistics
 
-__all__ = ["HandedDenominators", "SampleStatistics", "VarianceViews"]
+__all__ = ["SampleStatistics", "VarianceViews"]
 
 
 _VERSION = operator.attrgetter("_version")
@@ -243,77 +240,3 @@ class VarianceViews:
             return None
         held = entry[0]
         return entry if held[0] is key[0] and held[1:] == key[1:] else None
-
-
-class HandedDenominators:
-    """A frozen variance's scaled denominators, kept from a DDP hook's messages for the same step's update.
-
-    On a 1-bit step on the CPU the hook clips each local gradient to ``sqrt(v f / c2) + eps``
-    (:meth:`~._messages.Messages.write`, ``f`` the factor of ``follow_gradient_scale``), and
-    ``step()`` then updates with the same denominators: handed on, they spare ``step()`` a square
-    root of every ``v`` and a pass over it (about 5 ms of a 5.4M-parameter step on two CPU ranks).
-    One is taken only if what it was made from is unchanged: the parameter, the identity and
-    version counter of its ``v``, the step kind, ``c2``, ``eps`` and ``f`` (compared by value).
-    Taken once; ``step()`` drops the rest when it ends (:meth:`clear`), and ``zero_grad()`` drops
-    those of a step that was not taken (a GradScaler's skip), so nothing full-size is held between
-    steps. Meanwhile they take 4 bytes per parameter, what ``step()``'s own would take. On an
-    accelerator each bucket's are freed after its messages instead (backward's activations are
-    still alive then), and ``step()`` makes its own.
-    """
-
-    def __init__(self) -> None:
-        #: id(p) -> (p, v, v's version, (kind, c2, eps), f or None, denominators)
-        self._kept: dict[int, tuple] = {}
-
-    def keep(
-        self,
-        params: Sequence[Tensor],
-        exp_avg_sqs: Sequence[Tensor],
-        context: tuple,
-        factors: Sequence[Tensor | None],
-        dens: Sequence[Tensor],
-    ) -> None:
-        """Keep ``dens``, made from ``exp_avg_sqs``, ``context`` (kind, c2, eps) and ``factors``, for ``step()``."""
-        for p, v, f, d in zip(params, exp_avg_sqs, factors, dens):
-            version = _version(v)
-            if version is not None:
-                self._kept[id(p)] = (p, v, version, context, f, d)
-
-    def take(
-        self, params: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], context: tuple, factors: Sequence[Tensor | None]
-    ) -> list[Tensor | None]:
-        """The kept denominators of ``params`` that still stand, ``None`` elsewhere; all of them forgotten."""
-        out: list[Tensor | None] = []
-        then, now, where = [], [], []
-        for i, (p, v, f) in enumerate(zip(params, exp_avg_sqs, factors)):
-            entry = self._kept.pop(id(p), None)
-            stands = (
-                entry is not None
-                and entry[0] is p
-                and entry[1] is v
-                and entry[2] == _version(v)
-                and entry[3] == context
-                and (entry[4] is None) == (f is None)
-            )
-            out.append(entry[5] if stands else None)
-            if stands and f is not None:
-                then.append(entry[4])
-                now.append(f)
-                where.append(i)
-        if then:  # the factors by value, one host read for all (a NaN factor never matches: made afresh)
-            same = torch.stack(then).to(torch.float32).eq(torch.stack(now).to(torch.float32)).tolist()
-            for i, ok in zip(where, same):
-                if not ok:
-                    out[i] = None
-        return out
-
-    def __bool__(self) -> bool:
-        return bool(self._kept)
-
-    def held(self) -> list[Tensor]:
-        """Every tensor held now (for :func:`._memory.state_bytes`)."""
-        return [entry[5] for entry in self._kept.values()]
-
-    def clear(self) -> None:
-        """Forget everything (the end of a step, a checkpoint load)."""
-        self._kept.clear()

@@ -3,32 +3,19 @@
 1-bit Adam freezes Adam's ``v`` at ``freeze_step`` and compresses from there; 0/1 Adam freezes it
 at ``var_freeze_step``. The freeze must come after ``v`` has settled, and ``v`` settles later than
 the learning rate's warm-up ends: on the BERT masked-LM workload of ``recipes/convergence.py``
-(500 steps, warm-up 50), the ``sqrt(v)`` of the attention query and key weights is about 1e-6 at
-step 50 and grows 16-35x by step 200, while every other tensor stays within 0.75-2.4x. A ``v``
-frozen at step 50 makes those steps far too large: 1-bit Adam ends 4.35% above AdamW's held-out
-loss with the freeze at 50, 0.74% above with the freeze at 100 (0/1 Adam: 2.17% and 1.27%).
-
-DeepSpeed's 1-bit Adam tutorial gives the same advice from the paper's BERT runs
-(Tang et al., arXiv 2102.02888): freeze after 15-25% of the training steps. The rule here is the
-later of the end of the LR warm-up and :data:`FREEZE_PERCENT` % of the run. Short runs need the
-later end: on a 2-layer GPT-2 (2 ranks, 10% LR warm-up, seeds 0-3) a freeze at 20% left 1-bit Adam
-+3.4, +2.0, +3.9 and -1.0% from AdamW's loss at 200 steps and +0.9, +0.6, +0.5 and +4.3% at 400;
-at 30%, +0.1, +0.9, +0.6, -1.6% and +0.6, +0.5, +0.3, +0.5% (CHANGELOG).
+(500 steps, warm-up 50), the ``sqrt(v)`` of the attention query and key weights grows 16-35x
+between steps 50 and 200, while every other tensor stays within 0.75-2.4x, and a ``v`` frozen at
+step 50 makes their steps far too large. The rule here is the later of the end of the LR warm-up
+and :data:`FREEZE_PERCENT` % of the run (DeepSpeed's 1-bit Adam tutorial advises 15-25% from the
+paper's BERT runs; short runs need the later end: on a 2-layer GPT-2 of 200 and 400 steps a freeze
+at 20% left 1-bit Adam up to +4.3% above AdamW's loss, at 30% within +0.9%).
 
 0/1 Adam's local phase (from ``var_freeze_step`` to the end) syncs with a gap that starts at 1
 and doubles every ``local_step_scaler`` steps up to ``local_step_clipper``.
 :func:`recommended_local_steps` lets the gap reach its largest value a quarter of the way into the
 local phase, and keeps that largest gap to at most ``1 / LOCAL_PHASE_SYNCS`` of the phase, so a
-short run still syncs often. On the 90-step fine-tuning run of ``recipes/convergence.py`` (72
-local-phase steps) a gap of 16, reached at step 34, left 0/1 Adam 3.17, 2.22 and 1.90 accuracy
-points below AdamW on three seeds; capped at 4 by the 1/16 rule of the time: -0.95, +2.22 and -1.59 (mean -0.11;
-paired, seeded runs: the README's convergence suite, and the CHANGELOG for the gap of 16).
-The fraction was a sixteenth before issue 25. On the run-length sweep of ``convergence.py``
-(2-layer GPT-2, seeds 0-3, phase 1 exact in bf16) a largest gap of 1/32 of the local phase left
-0/1 Adam +1.35, +2.13, +2.15, +1.20% above AdamW at 200 steps (gap 4) and +1.95, +1.76, +1.75,
-+1.79% at 400 (gap 8); 1/64 (gaps 2 and 4): +1.14, +1.62, +1.68, +0.84% and +1.76, +1.61, +1.62,
-+1.65%, for 3-5% more bytes (CHANGELOG). Runs whose local phase has 1,024 steps or more keep the
-paper's 16.
+short run still syncs often (on a 90-step fine-tuning run a gap of 16 cost 0/1 Adam 1.9-3.2
+accuracy points). Runs whose local phase has 1,024 steps or more keep the paper's 16.
 """
 
 from __future__ import annotations

@@ -106,10 +106,9 @@ class ZeroOneAdam(CompressedAdamBase):
             (the default): all of phase 1, every step before ``var_freeze_step``, so ``v`` is
             estimated as Adam estimates it and 0/1 Adam's savings come from its local phase. With
             the exact steps in float8 or bf16 (``exact_step_dtype``) that sends less than the
-            paper's schedule with its steps in fp32, and lands closer to AdamW: on the 2-layer GPT-2 of the
-            run-length sweep (200, 400 and 800 steps, 4 seeds) 0/1 Adam ended +1.9 to +4.1% above
-            AdamW with the exact steps limited to the LR warm-up and 1-bit gradients after it, and
-            +1.2 to +2.5% with phase 1 exact (CHANGELOG). ``0`` is the paper's and DeepSpeed's
+            paper's schedule with its steps in fp32, and lands closer to AdamW (the paper's
+            schedule cost 2-4% of AdamW's loss on the run-length sweep's GPT-2,
+            ``docs/convergence.md``). ``0`` is the paper's and DeepSpeed's
             schedule (1-bit gradients from the second variance gap); a smaller number keeps the
             paper's schedule after that many exact steps.
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,

@@ -4,12 +4,12 @@
 Pre-training (default; runs ``recipes/pretrain.py`` under ``accelerate launch`` on 2 CPU
 processes, offline)::
 
-    python recipes/compare.py --output_dir docs/results/pretrain_mlm -- --max_steps 300
+    python recipes/compare.py --output_dir outputs/compare_mlm -- --max_steps 300
 
 GLUE fine-tuning (runs ``recipes/run_glue.py`` under ``torchrun``; pass its arguments after
 ``--``)::
 
-    python recipes/compare.py --recipe glue --output_dir docs/results/sst2 -- \\
+    python recipes/compare.py --recipe glue --output_dir outputs/compare_sst2 -- \\
         --task_name sst2 --train_file data/sst2/train.tsv --validation_file data/sst2/dev.tsv \\
         --do_train --do_eval --max_steps 200 --per_device_train_batch_size 16
 

@@ -122,7 +122,7 @@ def test_set_turns_an_option_off_in_every_phase_and_refuses_others(tmp_path):
 
 
 def test_state_hash_fingerprints_a_run_and_changes_with_it():
-    spec = importlib.util.spec_from_file_location("state_hash", RECIPES / "state_hash.py")
+    spec = importlib.util.spec_from_file_location("state_hash", Path(__file__).with_name("_state_hash.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     cls, kwargs = module.RUNS["0/1 Adam"]

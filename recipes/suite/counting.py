@@ -16,10 +16,25 @@ uncompressed tensors, of the P matrices and of the Q matrices per bucket (one pe
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class Method:
+    """What one row trains with: the module to call, the optimizer to step, how to count and finish."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    totals: Callable[[], tuple[int, int]]  # (bytes, rounds) this rank has sent so far
+    context: Any = field(default_factory=contextlib.nullcontext)  # entered around the loop
+    finish: Callable[[], None] = lambda: None  # after the loop (and its context), before the evaluation
 
 
 class HookCounter:

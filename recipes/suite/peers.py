@@ -34,8 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from suite.counting import HookCounter
-from suite.workloads import Method
+from suite.counting import HookCounter, Method
 
 PEERS = ("diloco", "demo", "post_local_sgd")
 #: each peer's settings and their defaults (a frontier point overrides them in ``spec["settings"]``)

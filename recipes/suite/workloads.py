@@ -18,30 +18,16 @@ How bytes and rounds are counted: ``counting.py``.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from suite.counting import HookCounter, Progress, attach_communication, comm_totals, run_summary
+from suite.counting import HookCounter, Method, Progress, attach_communication, comm_totals, run_summary
+from suite.peers import build_peer
 
 OURS = ("onebit_adam", "zeroone_adam")
-
-
-@dataclass
-class Method:
-    """What one row trains with: the module to call, the optimizer to step, how to count and finish."""
-
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    totals: Callable[[], tuple[int, int]]  # (bytes, rounds) this rank has sent so far
-    context: Any = field(default_factory=contextlib.nullcontext)  # entered around the loop
-    finish: Callable[[], None] = lambda: None  # after the loop (and its context), before the evaluation
 
 
 def make_optimizer(name: str, params, spec: dict) -> torch.optim.Optimizer:  # noqa: ANN001
@@ -87,8 +73,6 @@ def build_method(spec: dict, model: torch.nn.Module, world: int) -> Method:
 
     name = spec["optimizer"]
     if name not in ("adamw", "powersgd", *OURS):
-        from suite.peers import build_peer
-
         return build_peer(spec, model, world)
     ddp = DDP(model)
     opt = make_optimizer(name, ddp.parameters(), spec)

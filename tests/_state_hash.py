@@ -8,8 +8,8 @@ random gradients that leave half of the word embedding's rows out for the first 
 of the optimizer's state. A change meant to leave the results alone (a faster
 kernel, a different bookkeeping) prints the same hashes before and after::
 
-    python recipes/state_hash.py            # on the change
-    git stash; python recipes/state_hash.py; git stash pop   # before it
+    python tests/_state_hash.py            # on the change
+    git stash; python tests/_state_hash.py; git stash pop   # before it
 
 One process only: the 1-bit compression itself is left to the two-rank tests.
 """
@@ -25,7 +25,7 @@ import torch
 
 from hf_zeroone import OneBitAdam, ZeroOneAdam
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # recipes/ is not a package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # recipes/ is not a package
 from bench_step import build_model  # noqa: E402 - a small BERT: embeddings with masked rows, many shapes
 
 #: name -> (optimizer class, keywords): every phase within ``--steps`` steps

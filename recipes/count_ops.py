@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""Host work per step, counted: the torch operations a training step dispatches, on every thread.
+
+On a GPU each torch operation costs a few microseconds of host time and at least one kernel
+launch, whatever its tensor's size, so a step's overhead is its number of operations. That number
+is the same on every machine. This recipe counts it on CPU ranks (gloo), for a model of ``N`` tiny
+``Linear(8, 8)`` layers in one DDP bucket, where only host work shows::
+
+    torchrun --standalone --nproc_per_node 2 recipes/count_ops.py
+    torchrun --standalone --nproc_per_node 2 recipes/count_ops.py --tensors 100,400 --steps 12
+
+For each step kind of both optimizers (DDP with the hf_zeroone hook) and for DDP with
+``AdamW(foreach=True)``, it profiles single steps (forward, backward, ``step()``) with
+``torch.profiler`` on all threads (the communicator's too) and counts the top-level ``aten::``
+operations: those not called from inside another one. The table gives the median count per step,
+what a step adds beyond DDP + AdamW's whole step, that per parameter tensor, and how the addition
+grows from the smallest ``N`` to the largest per added tensor. A last column times the steps
+without the profiler, as a ratio to DDP + AdamW's (noisy: compare inside one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+#: label -> (optimizer name, keywords): short schedules that reach every step kind within the run
+RUNS = {
+    "1-bit Adam": ("onebit", {"freeze_step": 4}),
+    "0/1 Adam": (
+        "zeroone",
+        {
+            "var_freeze_step": 8,
+            "var_update_scaler": 1,
+            "local_step_scaler": 2,
+            "local_step_clipper": 4,
+            "exact_warmup_steps": 3,
+        },
+    ),  # fmt: skip
+}
+
+
+def _model(n: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(n)))
+
+
+def _top_level_aten(prof: torch.profiler.profile) -> int:
+    count = 0
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        count += parent is None
+    return count
+
+
+def _run(name: str, kwargs: dict, n: int, steps: int, profile: bool) -> dict[str, list[float]]:
+    """Per step kind: the top-level operation counts of each step (``profile``) or its seconds."""
+    from hf_zeroone import OneBitAdam, ZeroOneAdam, register_zeroone_hook
+
+    ddp = DDP(_model(n), bucket_cap_mb=1024)
+    if name == "adamw":
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, foreach=True)
+    else:
+        opt = (OneBitAdam if name == "onebit" else ZeroOneAdam)(ddp.parameters(), lr=1e-3, **kwargs)
+        register_zeroone_hook(ddp, opt)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    out: dict[str, list[float]] = {}
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+
+    def step(x: torch.Tensor) -> None:
+        ddp(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(steps):
+        x = torch.randn(4, 8, generator=gen)
+        dist.barrier()
+        if profile:
+            with torch.profiler.profile(activities=cpu, experimental_config=config) as prof:
+                step(x)
+            value = float(_top_level_aten(prof))
+        else:
+            start = time.perf_counter()
+            step(x)
+            value = time.perf_counter() - start
+        kind = "whole step" if name == "adamw" else opt.last_step_kind.value
+        if i >= 2:  # DDP rebuilds its buckets after the first iteration
+            out.setdefault(kind, []).append(value)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tensors", default="100,400", help="comma-separated numbers of Linear(8, 8) tensors")
+    parser.add_argument("--steps", type=int, default=14, help="steps per run (every kind by 12)")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    sizes = [int(n) for n in args.tensors.split(",")]
+    counts: dict[tuple[str, str], dict[int, float]] = {}
+    ratios: dict[tuple[str, str], dict[int, float]] = {}
+    adamw = ("DDP + AdamW(foreach=True)", "whole step")
+    for n in sizes:
+        base_s = statistics.median(_run("adamw", {}, n, args.steps, False)["whole step"])
+        counts.setdefault(adamw, {})[n] = statistics.median(_run("adamw", {}, n, args.steps, True)["whole step"])
+        for label, (name, kwargs) in RUNS.items():
+            ops = _run(name, kwargs, n, args.steps, True)
+            secs = _run(name, kwargs, n, args.steps, False)
+            for kind, values in ops.items():
+                counts.setdefault((label, kind), {})[n] = statistics.median(values)
+                ratios.setdefault((label, kind), {})[n] = statistics.median(secs[kind]) / base_s
+    if dist.get_rank() == 0:
+        small, large = sizes[0], sizes[-1]
+        base = counts[adamw]
+        print(f"Top-level aten operations per step, all threads, rank 0 ({dist.get_world_size()} gloo ranks, "
+              f"N Linear(8, 8) tensors in one DDP bucket):\n")  # fmt: skip
+        print(f"| optimizer | step kind | ops at N={large} | beyond DDP + AdamW | per tensor | "
+              f"growth per added tensor, N={small}..{large} | time vs DDP + AdamW, N={large} |")  # fmt: skip
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for (label, kind), by_n in counts.items():
+            if large not in by_n or small not in by_n:
+                continue
+            extra = {n: by_n[n] - base[n] for n in (small, large)}
+            growth = (extra[large] - extra[small]) / (large - small) if large > small else float("nan")
+            ratio = ratios.get((label, kind), {}).get(large)
+            print(f"| {label} | {kind} | {by_n[large]:.0f} | {extra[large]:.0f} | {extra[large] / large:.1f} | "
+                  f"{growth:.1f} | {'1.00x' if ratio is None else f'{ratio:.2f}x'} |")  # fmt: skip
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

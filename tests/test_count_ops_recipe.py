@@ -1,0 +1,27 @@
+"""recipes/count_ops.py on 2 CPU ranks: every step kind of both optimizers gets a row of counts."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "count_ops.py"
+
+
+@pytest.mark.slow
+def test_count_ops_prints_a_row_per_step_kind():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(RECIPE),
+           "--tensors", "4,8", "--steps", "12"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    row = re.compile(r"^\| ([^|]+?) \| (\w[\w ]*?) \| (\d+) \| (-?\d+) \|", re.M)
+    rows = {tuple(m[:2]): m[2:] for m in row.findall(proc.stdout)}
+    kinds = {("1-bit Adam", k) for k in ("exact", "onebit_momentum")}
+    kinds |= {("0/1 Adam", k) for k in ("exact", "onebit_gradient", "local", "onebit_sync")}
+    assert kinds | {("DDP + AdamW(foreach=True)", "whole step")} == set(rows), proc.stdout
+    assert rows[("DDP + AdamW(foreach=True)", "whole step")][1] == "0"
+    # a compressed step dispatches more than AdamW's whole step: its messages, compression and update
+    assert int(rows[("1-bit Adam", "onebit_momentum")][1]) > 0, proc.stdout

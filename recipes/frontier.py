@@ -107,6 +107,9 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     points += [(f"diloco H={h}", "diloco", 1, {"sync_every": h}) for h in (8, 32, 128, 500)]
     points += [(f"diloco H=32 inner lr x{m:g}", "diloco", m, {"sync_every": 32}) for m in (0.5, 2, 4)]
     points += [(f"diloco H=32 outer lr {o:g}", "diloco", 1, {"sync_every": 32, "outer_lr": o}) for o in (0.5, 1.0)]
+    # without outer momentum (lr 1: plain model averaging every H steps)
+    points += [(f"diloco H={h} outer lr {o:g} no momentum", "diloco", 1, {"sync_every": h, "outer_lr": o,
+                "outer_momentum": 0.0}) for h in (8, 128) for o in (0.7, 1.0)]  # fmt: skip
     points += [(f"demo top-k {k}", "demo", 1, {"compression_top_k": k}) for k in (8, 32)]
     points += [(f"post-local SGD period {p}", "post_local_sgd", 1, {"period": p}) for p in (4, 16, 64)]
     # the peers whose learning rate is AdamW's: at AdamW's best ones too (2x on MLM, 4x on CLM)

@@ -5,8 +5,8 @@ the suite does not need them. Nothing here re-implements a peer: each row builds
 own class with the settings its paper or README gives, and only counts what it sends.
 
 * ``diloco``: torchft's ``DiLoCo`` (Douillard et al., arXiv 2311.08105). Inner optimizer: AdamW
-  with the suite's settings and LR schedule; outer: ``SGD(lr=outer_lr, momentum=0.9,
-  nesterov=True)`` (the paper's, ``outer_lr`` 0.7 by default); ``sync_every`` = ``H``. Each
+  with the suite's settings and LR schedule; outer: ``SGD(lr=outer_lr, momentum=outer_momentum,
+  nesterov=True)`` (the paper's, ``outer_lr`` 0.7 and ``outer_momentum`` 0.9 by default); ``sync_every`` = ``H``. Each
   process is a torchft replica group of one, with its own ``TCPStore`` and
   ``torchft.ProcessGroupGloo``; rank 0 runs the lighthouse in-process. Bytes: every
   ``Manager.allreduce`` of the pseudo-gradients, fp32 (``should_quantize`` needs Triton, so the
@@ -39,7 +39,7 @@ from suite.counting import HookCounter, Method
 PEERS = ("diloco", "demo", "post_local_sgd")
 #: each peer's settings and their defaults (a frontier point overrides them in ``spec["settings"]``)
 PEER_DEFAULTS = {
-    "diloco": {"sync_every": 32, "outer_lr": 0.7},
+    "diloco": {"sync_every": 32, "outer_lr": 0.7, "outer_momentum": 0.9},
     "demo": {"compression_top_k": 32, "compression_chunk": 64},
     "post_local_sgd": {"period": 16},
 }
@@ -62,7 +62,9 @@ def inner_adamw(spec: dict, params) -> torch.optim.AdamW:  # noqa: ANN001
     return torch.optim.AdamW(params, lr=spec["lr"], weight_decay=spec["weight_decay"])
 
 
-def diloco(spec: dict, model: torch.nn.Module, world: int, sync_every: int, outer_lr: float) -> Method:
+def diloco(
+    spec: dict, model: torch.nn.Module, world: int, sync_every: int, outer_lr: float, outer_momentum: float
+) -> Method:
     from torchft import Manager, ProcessGroupGloo
     from torchft.coordination import LighthouseServer
     from torchft.local_sgd import DiLoCo
@@ -75,7 +77,7 @@ def diloco(spec: dict, model: torch.nn.Module, world: int, sync_every: int, oute
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     store_alive = [store]
     inner = inner_adamw(spec, model.parameters())
-    outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=0.9, nesterov=True)
+    outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=300)),
         min_replica_size=world,

@@ -7,17 +7,15 @@ Each phase is timed on its own optimizer, set up so that every timed step is of 
     python recipes/bench_step.py                       # CPU, a 24-layer BERT of width 64 (400+ tensors)
     python recipes/bench_step.py --device cuda --fused # on a GPU, also against AdamW(fused=True)
     python recipes/bench_step.py --loopback 2          # with the message maths of 2 simulated ranks
-    python recipes/bench_step.py --profile             # where each phase's launches come from (step_sites.py)
     python recipes/bench_step.py --set follow_gradient_scale=False  # an option of ours off in every phase
-    torchrun --standalone --nproc_per_node 2 recipes/bench_step.py --profile  # the same, step() communicating
 
 Alone in its process an optimizer communicates nothing, and its step is the local arithmetic only
 (clipping to the variance, the update). ``--loopback P`` gives each optimizer a communicator that
 stands in for P ranks sending what this one sends (``Communicator._loopback``): the step then runs
 the whole compressed exchange, the message maths, the compression arithmetic on the worker thread
 and its stream, the implied gradients, with local copies in place of the network (the values are
-not a real run's: see ``_LoopbackCollectives``). Profiling runs that arithmetic on the calling
-thread, so that every line of it is counted.
+not a real run's: see ``_LoopbackCollectives``). ``recipes/count_ops.py`` counts the operations
+a step dispatches instead of timing it.
 
 Prints a markdown table (median milliseconds per step, the ratio to AdamW, and the range of that
 ratio over the rounds). Machines are shared and noisy: the ratios inside one run are the figure,
@@ -27,7 +25,6 @@ not the milliseconds, and a difference smaller than the range is noise.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 import warnings
@@ -129,9 +126,6 @@ def main() -> None:
         help="run the compressed exchange of P simulated ranks in this process (0: communicate nothing)",
     )  # fmt: skip
     parser.add_argument(
-        "--profile", action="store_true", help="instead of timing, count each phase's launches per source line"
-    )
-    parser.add_argument(
         "--set", action="append", default=[], metavar="OPTION=BOOL", type=_switch,
         help=f"an on/off option of both optimizers for every phase ({', '.join(SWITCHES)}); repeatable",
     )  # fmt: skip
@@ -141,42 +135,25 @@ def main() -> None:
     if switches:
         print(f"every phase with {', '.join(f'{k}={v}' for k, v in switches.items())}")
     torch.set_num_threads(args.threads)
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if args.loopback == 1 or args.loopback < 0:
         raise SystemExit(f"--loopback {args.loopback}: give 2 or more simulated ranks, or 0 for none")
     if args.loopback:
         warnings.filterwarnings("ignore", message=".*communicates in step.. because no hf_zeroone DDP hook ran")
-    if distributed:  # under torchrun: step() communicates over gloo (one bucket message at a time, no DDP)
-        if not args.profile or args.loopback:
-            raise SystemExit("under torchrun only --profile runs, without --loopback (timings take one process)")
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-        warnings.filterwarnings("ignore", message=".*communicates in step.. because no hf_zeroone DDP hook ran")
     model = build_model(args.layers, args.width).to(args.device)
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
-    ranks = f", {int(os.environ['WORLD_SIZE'])} ranks (step() communicating)" if distributed else ""
-    if args.loopback:
-        ranks = f", {args.loopback} simulated ranks (loopback: the message maths, no network)"
-    if not distributed or int(os.environ.get("RANK", "0")) == 0:
-        print(f"{len(params)} tensors, {numel:,} parameters, device {args.device}, {args.threads} thread(s){ranks}\n")
+    ranks = f", {args.loopback} simulated ranks (loopback: the message maths, no network)" if args.loopback else ""
+    print(f"{len(params)} tensors, {numel:,} parameters, device {args.device}, {args.threads} thread(s){ranks}\n")
     baselines = {"AdamW(foreach=True)": lambda: torch.optim.AdamW(params, lr=1e-3, foreach=True)}
     if args.fused:
         baselines["AdamW(fused=True)"] = lambda: torch.optim.AdamW(params, lr=1e-3, fused=True)
-    if args.profile:
-        sending = distributed or args.loopback  # AdamW sends nothing: left out where the others communicate
-        profile({} if sending else baselines, phases, params, args.device, args.loopback)
-        if distributed:
-            dist.destroy_process_group()
-        return
     rounds: list[dict[str, list[float]]] = []
     for _ in range(args.rounds):  # interleaved, so a noisy stretch of the machine hits every row
         timings: dict[str, list[float]] = {}
         for name, make in baselines.items():
             timings[name] = time_steps(make(), params, 2, args.steps)
         for name, (cls, kw, before) in phases.items():
-            comm = communicator(args.loopback, threaded=True)
+            comm = communicator(args.loopback)
             timings[name] = time_steps(cls(params, lr=1e-3, communicator=comm, **kw), params, before, args.steps)
             if comm is not None:
                 comm.close()
@@ -184,29 +161,9 @@ def main() -> None:
     print(table(rounds))
 
 
-def communicator(loopback: int, threaded: bool) -> Communicator | None:
+def communicator(loopback: int) -> Communicator | None:
     """``loopback`` simulated ranks in this process, or None: the optimizer's own choice (none here)."""
-    return Communicator._loopback(loopback, threaded=threaded) if loopback else None
-
-
-def profile(baselines: dict, phases: dict, params: list[torch.Tensor], device: str, loopback: int = 0) -> None:
-    """One step of each phase under the profiler (``step_sites``): launches, syncs and host time per source line."""
-    from step_sites import profile_step, sites_table
-
-    cuda = torch.device(device).type == "cuda"
-    entries = [(name, make, 2) for name, make in baselines.items()]
-    entries += [
-        (name, lambda c=cls, k=kw: c(params, lr=1e-3, communicator=communicator(loopback, threaded=False), **k), before)
-        for name, (cls, kw, before) in phases.items()
-    ]
-    for name, make, before in entries:
-        opt = make()
-        time_steps(opt, params, before, 1)  # the state a timed step starts from
-        sites, whole = profile_step(opt.step, cuda)
-        kind = getattr(opt, "last_step_kind", None)
-        label = f"{name} ({kind.value})" if kind is not None and f"({kind.value})" not in name else name
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"### {label}\n\n{sites_table(sites, whole)}\n")
+    return Communicator._loopback(loopback, threaded=True) if loopback else None
 
 
 def table(rounds: list[dict[str, list[float]]]) -> str:

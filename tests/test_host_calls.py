@@ -1,9 +1,8 @@
 """The per-tensor statistics of a compressed step cost a fixed number of torch calls, whatever the tensor count.
 
 On a GPU every torch call on a 0-dim per-tensor value is a kernel launch and some microseconds of
-host work: a model of hundreds of tensors paid thousands per step for its norms, norm-proxy factors
-and clipping fractions (``recipes/bench_step.py --profile``). These functions now work on one
-vector for all tensors; the tests count the torch functions they call (reads of shapes, sizes and
+host work. These functions work on one vector for all tensors (norms, norm-proxy factors and
+clipping fractions); the tests count the torch functions they call (reads of shapes, sizes and
 dtypes left out), for a few tensors and for many, and check that the count does not grow with the
 tensor count. They also pin the results against the per-tensor formulas, bit for bit, and the
 accelerator's forms (forced on the CPU) against the CPU's.
@@ -99,8 +98,7 @@ def test_the_accelerator_form_of_the_active_counts_gives_the_cpu_counts_in_a_few
     """On an accelerator the idle counts of :func:`sample_statistics` are one comparison per shape.
 
     They are rebuilt on every step where ``v`` moves (exact steps of several ranks, 0/1 Adam's
-    variance updates): on an H200 two launches per tensor, 1,186 of a 394-tensor warm-up step's
-    1,534 (``recipes/bench_step.py --device cuda --profile --loopback 2``).
+    variance updates).
     """
     import hf_zeroone._tensors as T
 

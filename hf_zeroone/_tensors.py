@@ -15,7 +15,7 @@ def _scalar_operand(tensors: Sequence[Tensor], value: float) -> float | Tensor:
     """``value`` in the form a CPU multi-tensor op over ``tensors`` takes fastest, with the same result.
 
     On CPU ``torch._foreach_mul_(ts, 0.5)`` runs one operation per tensor, each wrapping the number
-    in a new tensor first (about 3 us: most of the call's cost on a model's many small tensors). A
+    in a new tensor first (most of the call's cost on a model's many small tensors). A
     0-dim tensor made once gives bit for bit the same results on float32 and float64 lists (the
     kernels read it in the same precision as the number). Other dtypes (a 0-dim float32 operand
     rounds differently against bf16 and fp16) and other devices (one kernel for the whole list)
@@ -87,10 +87,10 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
     """``True`` when no element of any tensor is NaN or infinite.
 
     One multi-tensor reduction for all tensors and one host read, with no boolean written per
-    element as ``torch.isfinite(t).all()`` does. The 2-norms come first (on CPU four times cheaper
-    than the largest absolute values): finite norms mean finite elements. A norm can overflow on
-    finite elements above about 1e19, so a non-finite one is checked again with the largest
-    absolute values, which cannot.
+    element as ``torch.isfinite(t).all()`` does. The 2-norms come first (on CPU cheaper than the
+    largest absolute values): finite norms mean finite elements. A norm can overflow on finite
+    elements above about 1e19, so a non-finite one is checked again with the largest absolute
+    values, which cannot.
     """
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
@@ -124,10 +124,9 @@ STACK_ON_CPU = False
 def stacks_by_shape(device: torch.device) -> bool:
     """Whether per-tensor 0-dim operands are applied to same-shaped tensors stacked (:func:`shape_groups`).
 
-    On an accelerator a call per tensor is a kernel launch each, which stacking saves (a 1-bit
-    step of a 394-tensor model on an H200: 217 launches instead of 1,323). On the CPU the stacked
-    copies saved nothing (that step measured 2.8x AdamW's against 2.4x, near the noise), so the
-    CPU keeps one call per tensor. Both give the same bits.
+    On an accelerator a call per tensor is a kernel launch each, which stacking saves. On the CPU
+    a call costs no launch and the stacked copies save nothing, so the CPU keeps one call per
+    tensor. Both give the same bits.
     """
     return device.type != "cpu" or STACK_ON_CPU
 
@@ -251,7 +250,7 @@ def joined(elements: Sequence[Tensor]) -> Tensor:
     base = None if first is None or first.dim() != 0 else first._base
     if base is not None and base.dim() == 1 and base.stride(0) == 1 and base.dtype == first.dtype:
         start, n = elements[0].storage_offset(), len(elements)
-        # map() over C methods: about 30 us for 400 elements, a third of a Python loop's time
+        # map() over C methods: much faster than a Python loop over the elements
         if list(map(Tensor.storage_offset, elements)) == list(range(start, start + n)) and all(
             map(operator.is_, map(_base_of, elements), repeat(base, n))
         ):

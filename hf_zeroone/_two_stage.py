@@ -17,8 +17,9 @@ chunks of ``c`` elements (:class:`~hf_zeroone.compression.ChunkLayout`):
 Per rank this sends ``2 (P-1)/P * n/8`` bytes of signs plus ``2 (P-1) S`` four-byte scales
 (``S`` segments per chunk), against ``2 (P-1)/P * 4n`` for an fp32 ring allreduce: the floor is
 1/32. The paper uses one scale per worker vector; per-segment scales cost a few hundred bytes per
-call and keep each tensor's own magnitude (with one scale per chunk, 0/1 Adam diverged on a small
-MLP whose layers have very different gradient scales; with per-segment scales it tracks AdamW).
+call and keep each tensor's own magnitude (with one scale per chunk, the tensors with the largest
+gradients set every element's magnitude, which can make a model whose layers have very different
+gradient scales diverge).
 
 **The exact lane.** A call may carry a short float32 vector ``exact`` that is averaged exactly,
 not compressed (per-tensor squared norms, scale samples, mask flags): chunk ``k`` of it rides to

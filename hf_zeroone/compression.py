@@ -20,8 +20,8 @@ own scale: one tensor's small gradients are not blown up to the magnitude of its
 That costs four bytes per segment, a few hundred bytes per call for a BERT model.
 
 Segments are contiguous. On the CPU every per-segment operation works on slices, and packing and
-unpacking go through NumPy's bit routines (``packbits`` and a 256-row lookup table), about ten
-times faster than the equivalent torch bit arithmetic. On other devices the same results come from
+unpacking go through NumPy's bit routines (``packbits`` and a 256-row lookup table), much
+faster than the equivalent torch bit arithmetic. On other devices the same results come from
 vectorised torch code; where the segments are short, the segment scales are applied there as one
 element-wise operand (a gather by each element's segment), a few kernels instead of one per segment.
 
@@ -196,10 +196,10 @@ def _take(table: np.ndarray, index: np.ndarray, out: np.ndarray) -> np.ndarray:
 def _unpack_signs_elementwise(packed: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
     """:func:`unpack_signs` in three element-wise passes, for accelerators: ``(n, 8)`` signs of ``dtype`` (or ``out``).
 
-    A gather of table rows (the CPU's form) ran at 1% of an H200's memory bandwidth (5 ms for
-    2^26 signs); a bit test per output element and a select between +1 and -1 stream instead,
-    with the same values. The masks and the two signs are made on the device once (a copy from
-    the host would wait for the device).
+    A gather of table rows (the CPU's form) uses a small fraction of a GPU's memory bandwidth;
+    a bit test per output element and a select between +1 and -1 stream instead, with the same
+    values. The masks and the two signs are made on the device once (a copy from the host would
+    wait for the device).
     """
     key = (dtype, packed.device)
     if key not in _SELECT_OPERANDS:
@@ -222,11 +222,9 @@ def _segments(x: Tensor, bounds: Sequence[int]) -> list[Tensor]:
 #: expand the segment scales element by element on the CPU too, whatever the segments' lengths
 #: (the tests set it, to check that form against the CPU's slice by slice one)
 EXPAND_ON_CPU = False
-#: on an accelerator, expand when the segments hold fewer elements than this on average. On an H200
-#: a compressed allreduce spent about 5e-11 s per element more when expanded, and about 35 us per
-#: segment when sliced (kernels launched from the host): the same cost near 650,000 elements a
-#: segment (measured: 25 MB buckets of 12 to 200 tensors took 16-72% less time expanded; 2^26
-#: elements in 16 segments took 2.2x as long)
+#: on an accelerator, expand when the segments hold fewer elements than this on average: expanding
+#: costs a little per element, slicing a few kernel launches per segment, and the two costs meet
+#: near this length (``recipes/bench_kernels.py`` times both)
 EXPAND_BELOW = 1 << 19
 #: per (bounds, device): the segment starts inside the vector, on the device (see _expanded)
 _STARTS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
@@ -378,9 +376,9 @@ _FLOAT8_VALUES: list[np.ndarray] = []  # the float32 value of each of the 256 fl
 def _float8_to_float32(codes: Tensor, out: Tensor | None = None) -> Tensor:
     """The float32 value of each float8_e4m3fn code (uint8, flat): a new tensor, or ``out`` (flat, contiguous).
 
-    On the CPU torch converts element by element (22 ms for 5M codes on one core, most of a
-    float8 allreduce's time); a lookup in a 256-entry table of torch's own conversions gives the
-    same bits (NaN codes included) in a third of that. Other devices convert.
+    On the CPU torch converts element by element, most of a float8 allreduce's time; a lookup in
+    a 256-entry table of torch's own conversions gives the same bits (NaN codes included) faster.
+    Other devices convert.
     """
     if codes.device.type != "cpu":
         values = codes.view(torch.float8_e4m3fn)

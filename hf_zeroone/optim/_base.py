@@ -73,9 +73,10 @@ class CompressedAdamBase(OptimizerBooks):
         follow_gradient_scale: after the variance freeze, rescale the frozen ``v`` of each tensor
             (down only) by how much its gradients have shrunk relative to it (one float per
             tensor, averaged with a collective the step already makes; exact steps add one small
-            allreduce; see :mod:`hf_zeroone.optim._grad_scale`). On by default: without it, least
-            squares whose loss falls 100x after the freeze ends 3x (1-bit) and 5x (0/1 Adam)
-            above AdamW's final loss; ``False`` keeps ``v`` frozen as the papers and DeepSpeed do.
+            allreduce; see :mod:`hf_zeroone.optim._grad_scale`). On by default: without it, a run
+            whose gradients keep shrinking after the freeze (least squares) ends several times
+            above AdamW's final loss (``docs/stale_variance.md``); ``False`` keeps ``v`` frozen as
+            the papers and DeepSpeed do.
         clip_to_variance: after the variance freeze, clip each element of a local gradient to
             ``sqrt(v_hat) / sqrt(1 - beta2)``, the largest normalised gradient Adam itself can see
             (:func:`._functional.clip_to_variance`). On by default: a frozen ``v`` cannot absorb a
@@ -89,10 +90,9 @@ class CompressedAdamBase(OptimizerBooks):
             element (float8 with 3 bits of mantissa) and a power-of-two scale per block (a byte),
             in the two collectives of the 1-bit allreduce, rounded on each worker and again after
             the average (:func:`hf_zeroone._two_stage.float8_allreduce`); the samples of
-            ``follow_gradient_scale`` ride exact. On the frontier, the convergence suite and the
-            run-length sweep it moved the final loss by no more than the spread between seeds
-            against bf16 (``docs/frontier.md``, ``docs/convergence.md``); it costs one more round
-            per exact step (two collectives where bf16 makes one).
+            ``follow_gradient_scale`` ride exact. Against bf16 its final losses stay within the
+            spread between seeds (``docs/frontier.md``, ``docs/convergence.md``); it costs one more
+            round per exact step (two collectives where bf16 makes one).
             ``torch.bfloat16`` (or ``"bfloat16"``)
             sends half of fp32's bytes in one collective, as DDP's ``bf16_compress_hook`` does for
             plain DDP: each gradient is rounded to 8 bits of mantissa before the average, and the

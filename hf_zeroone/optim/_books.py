@@ -164,11 +164,11 @@ class OptimizerBooks(Optimizer):
         """The values of :attr:`schedule_params` as the schedule acts on them (what a checkpoint must match)."""
         return {name: getattr(self, name) for name in self.schedule_params}
 
-    #: schedule entries of earlier versions' checkpoints, dropped on load
+    #: retired schedule entries that older checkpoints may hold, dropped on load
     _retired_schedule_keys: tuple[str, ...] = ()
 
     def _saved_schedule_hyperparameters(self, saved: dict[str, Any]) -> dict[str, Any]:
-        """A checkpoint's :meth:`_schedule_hyperparameters`, read as this version means them."""
+        """A checkpoint's :meth:`_schedule_hyperparameters`, read with their current meaning."""
         return saved
 
     # ------------------------------------------------------------------ run length and replicas
@@ -429,8 +429,8 @@ class OptimizerBooks(Optimizer):
         ``k`` updates of the same gradient would be, ``v <- beta2^k v + (1 - beta2^k) g^2``, and the
         bias correction is ``1 - beta2^variance_steps``. ``v_hat`` is then Adam's average of ``g^2``
         over *time*. Counted as one step each (the paper's and DeepSpeed's rule), the dense samples
-        of the first gaps outweigh the later ones: when the gradient's scale fell 20x over the phase,
-        the frozen ``v_hat`` was 3.5x Adam's (``tests/test_zeroone_time_weighting.py``).
+        of the first gaps outweigh the later ones: when the gradient's scale falls over the phase,
+        the frozen ``v_hat`` ends well above Adam's (``tests/test_zeroone_time_weighting.py``).
         """
         return self.schedule["variance_steps"]
 
@@ -475,7 +475,7 @@ class OptimizerBooks(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict`; error buffers from another world size or rank are reset.
 
-        Checkpoints of earlier versions, whose ``server_error`` entries are full-size, load too.
+        Older checkpoints, whose ``server_error`` entries are full-size, load too.
         """
         deferred, self._deferred_state = getattr(self, "_deferred_state", None), None
         plain, restore = _checkpoint.split_for_torch(self, deferred if deferred is not None else state_dict)

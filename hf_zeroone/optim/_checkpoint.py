@@ -101,9 +101,9 @@ def split_for_torch(opt: Any, state_dict: dict[str, Any]) -> tuple[dict[str, Any
             for key in ("momentum_mask", "pending_rows"):  # booleans, cast to the parameter's dtype by torch
                 if key in state:
                     state[key] = state[key] != 0
-            _masks.index_masked_rows(state)  # checkpoints of earlier versions have no index
+            _masks.index_masked_rows(state)  # older checkpoints hold no index
         opt.schedule = {k: v for k, v in extra["schedule"].items() if k not in opt._retired_schedule_keys}
-        # earlier versions counted each variance update as one step
+        # older checkpoints hold no variance_steps: each variance update counted as one step
         opt.schedule.setdefault("variance_steps", opt.schedule["variance_updates"])
 
     return state_dict, restore
@@ -117,7 +117,7 @@ def _check_shapes(opt: Any, state_dict: dict[str, Any]) -> None:  # noqa: ANN401
     """``ValueError`` before anything is loaded if a saved state entry's shape is not its parameter's.
 
     Torch pairs saved and current parameters by position and checks only their number; a
-    checkpoint of another model then loaded, replaced the state, and failed at the next step.
+    checkpoint of another model would load, replace the state, and fail at the next step.
     Groups of other lengths are left to torch, which refuses them.
     """
     groups = state_dict.get("param_groups", [])

@@ -202,9 +202,9 @@ def restore_errors(state: dict[str, Any], p: Tensor, saved: dict[str, Any]) -> N
     """Put the error-feedback entries of a checkpoint into ``state`` (of ``p``), in float32.
 
     ``saved`` holds the checkpoint's :data:`ERROR_STATE` entries of ``p`` (possibly none). A
-    ``server_error`` without ``server_error_start`` (checkpoints of earlier versions held the
-    full-size buffer shaped like the parameter) starts at element 0. The next compressed step
-    keeps the elements this rank serves in its layout then (:func:`place_server_error`).
+    ``server_error`` without ``server_error_start`` (an older checkpoint's: the full-size buffer
+    shaped like the parameter) starts at element 0. The next compressed step keeps the elements
+    this rank serves in its layout then (:func:`place_server_error`).
     """
     for name in ERROR_STATE:
         state.pop(name, None)

@@ -329,9 +329,9 @@ def clip_to_variance(grads: Sequence[Tensor], dens: Sequence[Tensor], beta2: flo
     gradient it sees is never above :func:`variance_bound` (31.6 for ``beta2 = 0.999``). A frozen
     ``v`` loses that bound: a token that first appears after the freeze, or an element whose
     gradient grows tenfold, has ``|g| / d`` of thousands, and its step is that many learning
-    rates, with or without compression (1-bit Adam diverged to a loss of 1e11 on a 400-step
-    GPT-2 run with exact communication). Clipped, every element stays inside the envelope
-    Adam's own steps have, and every 1-bit message in update units stays bounded.
+    rates, with or without compression, enough to make a run diverge. Clipped, every element
+    stays inside the envelope Adam's own steps have, and every 1-bit message in update units stays
+    bounded.
     """
     grads = list(grads)
     bounds = mul_scalar(as_dtypes(dens, grads), variance_bound(beta2))

@@ -3,11 +3,11 @@ r"""``follow_gradient_scale`` (on by default): a frozen variance that follows th
 1-bit Adam freezes ``v`` at ``freeze_step`` and 0/1 Adam at ``var_freeze_step``. Adam's ``v``
 would go on following the gradients. When their scale keeps falling after the freeze (a
 regression whose loss falls by orders of magnitude) the frozen ``v`` is too large and the steps
-too small: on least squares with a learning rate decaying to 0, 1-bit and 0/1 Adam ended 3x and
-5x above AdamW's loss in one process, with no compression at all. When their scale grows (a
-language model leaving its first plateau: attention's query and key gradients) the frozen ``v``
-is too small: frozen at a fifth of a 400-step GPT-2 run, 1-bit Adam ended 6.8% above AdamW on one
-seed in four.
+too small: on least squares with a learning rate decaying to 0, 1-bit and 0/1 Adam end several
+times above AdamW's loss even in one process, with no compression at all
+(``docs/stale_variance.md``). When their scale grows (a language model leaving its first
+plateau: attention's query and key gradients) the frozen ``v`` is too small and the steps too
+large.
 
 With the option, each tensor keeps the element-wise *shape* of its frozen ``v`` and rescales it,
 by a factor ``f``, to what Adam's ``v`` would have become on average over the tensor's elements.
@@ -44,9 +44,9 @@ Each sample is reduced by the fraction of the gradient's norm that clipping kept
 ``sqrt(v) + eps`` is below a tenth of their tensor's mean take no part (:data:`IDLE_BELOW`): their
 variance is next to nothing (an attention key bias, whose gradient is zero; a token not seen yet)
 and, measured against it, one gradient that wakes such an element up would count for thousands of
-the others (factors of 1000 on some GPT-2 tensors, when every element counted). ``f`` may grow or
-shrink; with ``clip_to_variance=False`` it is capped at 1 (``v`` may only shrink), this option's
-behaviour before the clip bounded what a woken element can do.
+the others. ``f`` may grow or shrink; with ``clip_to_variance=False`` it is capped at 1 (``v`` may
+only shrink), since without the clip nothing bounds what a woken element's gradient adds to the
+samples.
 
 Until the freeze (and whenever the option is off) the factor is not applied at all.
 """
@@ -71,7 +71,7 @@ __all__ = ["GradientScale", "factors", "kept_fraction", "sample_statistics", "sc
 _G, _R, _P = "grad_scale", "noise_excess", "scale_pending"
 #: state entries of this module (float32 scalars, kept float32 through checkpoints)
 STATE_KEYS = (_G, _R, _P)
-#: entries of checkpoints of earlier versions, dropped on load (the scale restarts at 1)
+#: retired state entries that older checkpoints may hold, dropped on load (the scale restarts at 1)
 LEGACY_KEYS = ("grad_sq", "grad_sq_ref")
 #: elements whose ``sqrt(v) + eps`` is below this fraction of their tensor's mean take no part in
 #: its samples (see :func:`scale_samples`)

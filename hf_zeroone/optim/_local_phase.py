@@ -96,22 +96,21 @@ def per_lr_units(
     averaged over its steps): the units of 1-bit Adam's momentum messages. The compression error a
     sync leaves in the error-feedback buffer is then paid back, at a later sync, times *that*
     interval's learning rate. Sent in parameter space instead, an error made while the learning
-    rate was high is paid back in full when it has decayed: on a 200-step GPT-2 run whose
-    learning rate falls linearly to zero, 0/1 Adam's syncs then deviated from the exact average by
-    up to 150 learning rates per step at the end, and the run ended 4.9% above AdamW's loss with a
-    sync at every step (1-bit Adam, at the same schedule: +0.1%). A parameter with no learning
-    rate over the interval (``sum(lr) = 0``) sends its momentum instead (:func:`idle_messages`).
+    rate was high is paid back in full when it has decayed: with a learning rate that decays to
+    zero, the late syncs then deviate from the exact average by many learning rates per step, and
+    0/1 Adam ends clearly above AdamW's loss even with a sync at every step. A parameter with no
+    learning rate over the interval (``sum(lr) = 0``) sends its momentum instead
+    (:func:`idle_messages`).
 
     ``scale_factors``: ``follow_gradient_scale``'s factor ``f`` of each tensor (``None``: none), by
     which the local steps' denominators ``d = sqrt(v f / c2) + eps`` moved away from the frozen
     ``v``'s. The divisor is then ``sum(lr) / sqrt(f)``: the message is ``m / (c1 d)`` with the
     *frozen* ``d``, units that stay put while ``v`` is frozen, as 1-bit Adam's do. In units that
     follow ``f`` an error kept at one sync is paid back at the next in units that have moved, and
-    error feedback no longer sums to the exact average: on the least-squares test whose gradient
-    scale falls 100x after the freeze (``tests/test_convergence_defaults.py``, 2 ranks, seeds 0-2)
-    0/1 Adam ended 1.19-1.20x AdamW's loss with a sync at every step (1-bit Adam: 1.01-1.02x) and
-    1.35-1.37x with its default sync gaps; in frozen units 1.01-1.02x and 1.03-1.06x. Returns 0-dim
-    float32 tensors then.
+    error feedback no longer sums to the exact average: where the gradient's scale falls far after
+    the freeze (the least squares of ``tests/test_convergence_defaults.py``), 0/1 Adam then ends
+    clearly above AdamW's loss, and in frozen units close to it. Returns 0-dim float32 tensors
+    then.
     """
     lr_sums = [st["lr_sum"] if st["lr_sum"] > 0 else 1.0 for st in states]
     if scale_factors is None or all(f is None for f in scale_factors):
@@ -173,7 +172,7 @@ def apply_sync(
         if "update_accumulator" in st:
             if accumulates_displacement(p):
                 st["update_accumulator"].zero_()
-            else:  # derived from now on (a checkpoint of an earlier version brought one)
+            else:  # derived from now on (an older checkpoint brought one)
                 del st["update_accumulator"]
         st["lr_sum"], st["decay_prod"] = 0.0, 1.0
     torch._foreach_copy_(synced, params)

@@ -120,9 +120,9 @@ def known_variance(state: dict[str, Any]) -> tuple[float, int]:
     """Sum (in float32) and count of the non-zero variances of the unmasked elements.
 
     Masked elements are left out by zeros in their place, and a zero variance is neither summed
-    nor counted. Selecting the known elements instead (``v[known]``) listed each one's
-    coordinates first, 16 bytes per element: a spike of about 20 bytes per element on the step
-    that releases rows (after float8 exact steps, the first compression step).
+    nor counted. Selecting the known elements instead (``v[known]``) would list each one's
+    coordinates first, 16 bytes per element: a memory spike on the step that releases rows (after
+    float8 exact steps, the first compression step).
     """
     v = state["exp_avg_sq"]
     if "momentum_mask" in state:

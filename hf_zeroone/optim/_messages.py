@@ -24,7 +24,7 @@ momentum's, is paid back at the learning rate of the step that pays it.
 For ``ONEBIT_MOMENTUM`` the combined momentum ``m'`` is turned into the gradient it implies,
 ``g = (m' - beta1 * m) / (1 - beta1)``, identical on every rank; ``m <- beta1 * m + (1 - beta1) * g``
 then gives back ``m'``. That ``g`` carries the 1-bit compression noise times ``1 / (1 - beta1)``:
-its norm can be 10-20 times the true gradient's, and a clipping threshold meant for gradients
+its norm can be many times the true gradient's, and a clipping threshold meant for gradients
 would cut every step. So ``g`` is handed on rescaled, per tensor, to an estimate of the averaged
 gradient's norm: the mean over ranks of the local squared norms (exact: one float per tensor,
 averaged alongside), divided by the local gradients' noise excess that the exact steps measured
@@ -126,9 +126,8 @@ class Messages:
         buffers go to gradient units (``e * w_old``) before the change and back
         (:meth:`errors_to_update_units`) after it: the same error in gradient space
         (``tests/test_zeroone_error_units.py``). One parameter at a time, so that no full-size
-        copy of the model is held. On a diagnostic 2-layer GPT-2 without gradient clipping (200
-        steps, seeds 0-3) 0/1 Adam ended +3.2% above AdamW on average without this, +2.0% with
-        it; the suite's CLM sweep did not move.
+        copy of the model is held. Without this, 0/1 Adam trained without gradient clipping ends
+        measurably further from AdamW on language models.
         """
         held = [p for p in params if "worker_error" in self.opt.state[p]]
         self._convert_errors(group, held, F.from_update_units, self.opt._variance_correction(group))
@@ -257,13 +256,12 @@ class Messages:
 
         A local gradient is noisier than the average of the ranks' gradients, so the mean of the
         local squared norms exceeds the averaged gradient's, by the noise: about twice on 2 ranks
-        once noise dominates. Handed on with that norm, the implied gradient met the user's
-        clipping at a larger norm than AdamW's averaged gradient would: with ``max_grad_norm=1``
-        it was cut on steps where AdamW's was not, and 1-bit Adam ended 1.3% above AdamW on the
-        suite's CLM run (+0.3% without clipping). Divided by the noise excess ``rho`` that the exact
-        steps of several ranks measured (:meth:`._grad_scale.GradientScale.noise_excess`, at least
-        1), it estimates what AdamW's clipping sees. Without ``rho`` (one rank,
-        ``follow_gradient_scale=False``), the mean itself.
+        once noise dominates. Handed on with that norm, the implied gradient would meet the user's
+        clipping at a larger norm than AdamW's averaged gradient does, and be cut on steps where
+        AdamW's is not (``docs/step_kinds_and_clipping.md``). Divided by the noise excess ``rho``
+        that the exact steps of several ranks measured
+        (:meth:`._grad_scale.GradientScale.noise_excess`, at least 1), it estimates what AdamW's
+        clipping sees. Without ``rho`` (one rank, ``follow_gradient_scale=False``), the mean itself.
         """
         divisors = self._noise_excesses(params)
         if all(d is None for d in divisors):
@@ -293,11 +291,10 @@ class Messages:
 
         On 0/1 Adam's ``LOCAL`` and ``ONEBIT_SYNC`` steps each rank steps on its own gradient.
         AdamW's clipping sees the averaged gradient, whose norm is smaller, by the noise that
-        averaging removes: the user's threshold, meant for that norm, met the local one and cut
-        steps that AdamW's would have left alone (with ``max_grad_norm=1`` 0/1 Adam ended 1.36%
-        above AdamW on the suite's CLM run; 0.52% since). Each local gradient is handed on divided
-        by the square root of its tensor's noise excess (:meth:`_noise_excesses`), so that its
-        squared norm estimates the averaged gradient's, as on 1-bit Adam's momentum steps;
+        averaging removes: the user's threshold, meant for that norm, would meet the local one and
+        cut steps that AdamW's leaves alone. Each local gradient is handed on divided by the
+        square root of its tensor's noise excess (:meth:`_noise_excesses`), so that its squared
+        norm estimates the averaged gradient's, as on 1-bit Adam's momentum steps;
         :meth:`undo_norm_proxies` scales it back, so that, unclipped, the step applies the local
         gradient, and clipped by ``s``, ``s`` times it. Without ``rho`` (one rank,
         ``follow_gradient_scale=False``) nothing changes.

@@ -1,10 +1,10 @@
 """Per-parameter scalars of the optimizer state kept as views of one vector: one operation for all.
 
 ``follow_gradient_scale`` keeps a few float32 numbers per parameter (:mod:`._grad_scale`). As 0-dim
-tensors of their own, every update was a multi-tensor call over hundreds of 0-dim tensors, and every
-use a ``torch.stack`` of them: on a 394-tensor model about 1.5 ms of a 0/1 Adam sync went to that
-bookkeeping. Here the entries ``state[key]`` of one list of states are the elements of one vector
-(views from ``unbind``), so an update is one operation on the vector and every entry follows it.
+tensors of their own, every update would be a multi-tensor call over hundreds of 0-dim tensors, and
+every use a ``torch.stack`` of them, a noticeable part of a step on a model of many tensors. Here
+the entries ``state[key]`` of one list of states are the elements of one vector (views from
+``unbind``), so an update is one operation on the vector and every entry follows it.
 
 A checkpoint still saves and loads one 0-dim float32 tensor per parameter and entry. Whatever
 replaces an entry (a loaded checkpoint, a user) is noticed on the next use, which stacks the

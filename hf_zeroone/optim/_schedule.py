@@ -2,20 +2,19 @@
 
 1-bit Adam freezes Adam's ``v`` at ``freeze_step`` and compresses from there; 0/1 Adam freezes it
 at ``var_freeze_step``. The freeze must come after ``v`` has settled, and ``v`` settles later than
-the learning rate's warm-up ends: on the BERT masked-LM workload of ``recipes/convergence.py``
-(500 steps, warm-up 50), the ``sqrt(v)`` of the attention query and key weights grows 16-35x
-between steps 50 and 200, while every other tensor stays within 0.75-2.4x, and a ``v`` frozen at
-step 50 makes their steps far too large. The rule here is the later of the end of the LR warm-up
-and :data:`FREEZE_PERCENT` % of the run (DeepSpeed's 1-bit Adam tutorial advises 15-25% from the
-paper's BERT runs; short runs need the later end: on a 2-layer GPT-2 of 200 and 400 steps a freeze
-at 20% left 1-bit Adam up to +4.3% above AdamW's loss, at 30% within +0.9%).
+the learning rate's warm-up ends: on the BERT masked-LM workload of ``recipes/convergence.py`` the
+``sqrt(v)`` of the attention query and key weights grows many-fold for a long while after the
+warm-up, far more than any other tensor's, and a ``v`` frozen at the end of the warm-up makes their
+steps far too large. The rule here is the later of the end of the LR warm-up and
+:data:`FREEZE_PERCENT` % of the run (DeepSpeed's 1-bit Adam tutorial advises 15-25% from the
+paper's BERT runs; short runs need the later end, see ``docs/convergence.md``).
 
 0/1 Adam's local phase (from ``var_freeze_step`` to the end) syncs with a gap that starts at 1
 and doubles every ``local_step_scaler`` steps up to ``local_step_clipper``.
 :func:`recommended_local_steps` lets the gap reach its largest value a quarter of the way into the
 local phase, and keeps that largest gap to at most ``1 / LOCAL_PHASE_SYNCS`` of the phase, so a
-short run still syncs often (on a 90-step fine-tuning run a gap of 16 cost 0/1 Adam 1.9-3.2
-accuracy points). Runs whose local phase has 1,024 steps or more keep the paper's 16.
+short run still syncs often (on a short fine-tuning run, the paper's gap of 16 costs 0/1 Adam
+accuracy). Runs whose local phase has 1,024 steps or more keep the paper's 16.
 """
 
 from __future__ import annotations

@@ -122,8 +122,9 @@ def check_exact_step_dtype(value: Any) -> torch.dtype | None:  # noqa: ANN401
 
 def check_param_group(group: dict[str, Any], owner: str) -> None:
     """Raise ``ValueError`` for what a compressed optimizer cannot train: sparse or complex parameters, a bad mask,
-    or a hyper-parameter out of range (checked as the constructor checks its own: a group's ``lr`` as a tensor
-    failed in the middle of 0/1 Adam's first sync, after the parameters had moved).
+    or a hyper-parameter out of range (checked as the constructor checks its own, so that a bad value, such as a
+    group's ``lr`` as a tensor, fails here and not in the middle of 0/1 Adam's first sync, after the parameters
+    have moved).
     """
     try:
         check_adam_arguments(group.get("lr"), group.get("betas"), group.get("eps"), group.get("weight_decay"))

@@ -10,10 +10,11 @@ and after ``var_freeze_step``) every step needs the same values of it:
 * per tensor, the mean of ``d`` and the count of the elements that take part in the samples
   (:func:`._grad_scale.sample_statistics`).
 
-Computed afresh on every use, they cost a 394-tensor model more per step than AdamW's whole step
-(``recipes/bench_step.py``). :class:`VarianceViews` computes each once and reuses it while it is
-valid: every value is keyed by the parameter, the identity and version counter of its ``v`` (torch
-counts every in-place write to a tensor and to its views), ``c2`` and ``eps``. A variance update,
+Computed afresh on every use, they would be a large part of a step's cost on a model of many
+tensors (``recipes/bench_step.py`` times the step). :class:`VarianceViews` computes each once and
+reuses it while it is valid: every value is keyed by the parameter, the identity and version
+counter of its ``v`` (torch counts every in-place write to a tensor and to its views), ``c2`` and
+``eps``. A variance update,
 a checkpoint load or a changed ``eps`` recomputes it; nothing stale can be read.
 
 Two lifetimes keep what the optimizer holds between steps as documented (:mod:`._memory`): the
@@ -105,7 +106,7 @@ class VarianceViews:
         self._stats: dict[int, list] = {}
         #: the statistics last built for a whole list of parameters, by (id of its first, length, idle_eps):
         #: (params, vs, their versions, c2, eps, statistics). Checked at once (identities and version
-        #: counters), a list's statistics cost a few percent of looking each tensor up and stacking.
+        #: counters), a list's statistics cost far less than looking each tensor up and stacking.
         self._lists: dict[tuple[int, int, float], tuple] = {}
         #: the denominators last offered or computed for a whole list, by (id of its first, length):
         #: (params, vs, their versions, c2, eps, denominators), checked at once as ``_lists`` is; released with them

@@ -73,10 +73,9 @@ class ZeroOneAdam(CompressedAdamBase):
     ``v`` is frozen the two are the same without compression; with it, the 1-bit operator gives
     every element of a segment the same magnitude, and in momentum space that magnitude is then
     divided by each element's :math:`d`: elements with a small variance (rare tokens, for
-    example) get kicks many times their own update, which grow with the sync gap. On a 1,000-step
-    BERT MLM run with 8 sequences per rank (``docs/benchmark.md``), momentum-space syncs diverged
-    with gaps of 4 and 16 while parameter-space syncs stayed at AdamW's loss. The bytes sent are
-    the same. The message is ``u`` per unit of the interval's summed learning rate
+    example) get kicks many times their own update, which grow with the sync gap: momentum-space
+    syncs can diverge at sync gaps where parameter-space syncs stay at AdamW's loss. The bytes sent
+    are the same. The message is ``u`` per unit of the interval's summed learning rate
     (:func:`~hf_zeroone.optim._local_phase.per_lr_units`), so error feedback pays an error back at
     the learning rate of the sync that pays it.
 
@@ -100,15 +99,14 @@ class ZeroOneAdam(CompressedAdamBase):
             steps at all in a run shorter than about 32k steps.) For a run of known length,
             :func:`~hf_zeroone.optim.recommended_local_steps` gives this and ``local_step_clipper``.
         local_step_clipper: largest sync gap (:math:`H` in the paper). In a short run keep it to a
-            sixty-fourth of the local phase or less (what ``recommended_local_steps`` does): on a
-            90-step fine-tuning run a gap of 16 cost 0/1 Adam 1.9-3.2 accuracy points.
+            sixty-fourth of the local phase or less (what ``recommended_local_steps`` does): in a
+            short fine-tuning run the paper's 16 costs 0/1 Adam accuracy.
         exact_warmup_steps: number of first steps that are all exact variance steps. ``None``
             (the default): all of phase 1, every step before ``var_freeze_step``, so ``v`` is
             estimated as Adam estimates it and 0/1 Adam's savings come from its local phase. With
             the exact steps in float8 or bf16 (``exact_step_dtype``) that sends less than the
-            paper's schedule with its steps in fp32, and lands closer to AdamW (the paper's
-            schedule cost 2-4% of AdamW's loss on the run-length sweep's GPT-2,
-            ``docs/convergence.md``). ``0`` is the paper's and DeepSpeed's
+            paper's schedule with its steps in fp32, and lands closer to AdamW
+            (``docs/convergence.md``). ``0`` is the paper's and DeepSpeed's
             schedule (1-bit gradients from the second variance gap); a smaller number keeps the
             paper's schedule after that many exact steps.
         bias_correction, decoupled_weight_decay, process_group, auto_momentum_mask,
@@ -269,14 +267,15 @@ class ZeroOneAdam(CompressedAdamBase):
         """As :attr:`schedule_params`, with ``exact_warmup_steps`` as it acts (``None`` is ``var_freeze_step``)."""
         return {**super()._schedule_hyperparameters(), "exact_warmup_steps": self._exact_steps()}
 
-    #: the "exact while the learning rate rises" rule of earlier versions
+    #: schedule entries of the retired "exact while the learning rate rises" rule, which older checkpoints hold
     _retired_schedule_keys = ("lr_rising", "last_lrs")
 
     def _saved_schedule_hyperparameters(self, saved: dict[str, Any]) -> dict[str, Any]:
-        """Earlier versions saved ``exact_warmup_steps=None``, which meant "while the learning rate rises".
+        """A saved ``exact_warmup_steps=None`` (an older checkpoint's) meant "while the learning rate rises".
 
-        That cannot be compared with today's meaning: the user says how to resume it, by giving
-        ``exact_warmup_steps``, or the checkpoint is refused.
+        Checkpoints hold the number of exact steps as it acts, so that ``None`` cannot be compared
+        with it: the user says how to resume it, by giving ``exact_warmup_steps``, or the checkpoint
+        is refused.
         """
         if "exact_warmup_steps" not in saved or saved["exact_warmup_steps"] is not None:
             return saved

@@ -25,7 +25,7 @@ TINY = [
     "--layers", "2", "--hidden", "64", "--heads", "2", "--intermediate", "128", "--vocab", "512",
     "--seq_len", "16", "--batch_size", "4", "--steps", "6", "--warmup_steps", "2", "--var_freeze_step", "4",
     "--var_update_scaler", "1", "--local_step_scaler", "1", "--nocomm_steps", "4", "--skip_steps", "1",
-    "--log_every", "3", "--pack_numel", "65536", "--pack_reps", "2", "--timeout", str(TIMEOUT_S - 20),
+    "--log_every", "3", "--timeout", str(TIMEOUT_S - 20),
     "--zeroone_exact_warmup_steps", "2",  # 0/1 Adam's 1-bit gradient steps between the warm-up and the freeze
 ]  # fmt: skip
 
@@ -46,25 +46,21 @@ def run_benchmark(out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
 def check_outputs(out_dir: Path, stdout: str, methods: list[str], rates: list[str]) -> dict:
     """Common checks: JSON structure, markdown rows for every (rate, method), non-empty PNGs."""
     report = json.loads((out_dir / "results.json").read_text())
-    for key in ("command", "mode", "netns", "args", "numel", "pack_unpack", "configs", "targets", "wall_s", "plots"):
+    for key in ("command", "mode", "netns", "args", "numel", "configs", "wall_s", "plots"):
         assert key in report, f"results.json has no {key!r}"
     assert report["numel"] > 0
-    assert report["pack_unpack"]["pack_unpack_gbps"] > 0
     assert [c["rate"] for c in report["configs"]] == rates
     for config in report["configs"]:
         assert list(config["methods"]) == methods
         for name, summary in config["methods"].items():
-            for key in ("phases", "whole_run", "step_kinds", "loss_at", "curves", "main_phase"):
+            for key in ("phases", "whole_run", "loss_last_tenth", "curves", "main_phase"):
                 assert key in summary, f"{name}: no {key!r}"
             whole = summary["whole_run"]
             assert whole["steps"] == report["args"]["steps"]
             assert whole["accounted_bytes_per_step_per_rank"] > 0
             assert whole["median_step_ms"] > 0 and whole["samples_per_s"] > 0
             assert len(summary["curves"]["loss"]) == whole["steps"]
-            assert all(0 < v < 20 for v in summary["loss_at"].values()), summary["loss_at"]
-    for target in report["targets"]:
-        assert target["status"] in {"PASS", "MISS", "N/A", "INFO"}, target
-    assert any("pack_signs" in t["text"] for t in report["targets"])
+            assert all(0 < v < 20 for v in summary["curves"]["loss"]), summary["curves"]["loss"]
 
     markdown = (out_dir / "results.md").read_text()
     assert markdown in stdout, "the markdown report is not printed at the end"
@@ -73,7 +69,6 @@ def check_outputs(out_dir: Path, stdout: str, methods: list[str], rates: list[st
         for method in methods:
             row = f"| {rate} | {labels[method]} |"
             assert row in markdown, f"no table row starting {row!r}"
-    assert "## Targets" in markdown
 
     assert sorted(report["plots"]) == ["loss_vs_bytes.png", "throughput_vs_rate.png"]
     for name in report["plots"]:
@@ -91,7 +86,7 @@ def test_benchmark_without_netns(tmp_path: Path) -> None:
     methods = report["configs"][0]["methods"]
     zo = methods["zeroone"]
     assert list(zo["phases"]) == ["warm-up", "compression", "local"]
-    assert {"exact", "onebit_gradient", "onebit_sync"} <= set(zo["step_kinds"])
+    assert {"exact", "onebit_gradient", "onebit_sync"} <= {k for ph in zo["phases"].values() for k in ph["kinds"]}
     assert zo["whole_run"]["wire_bytes_per_step_per_rank"] is None  # not measured without a namespace
     # 1-bit messages in the local phase are far smaller than fp32 gradients
     fp32 = methods["ddp_fp32"]["whole_run"]["accounted_bytes_per_step_per_rank"]
@@ -124,7 +119,7 @@ def test_benchmark_in_rate_limited_netns(tmp_path: Path) -> None:
         report = check_outputs(tmp_path, res.stdout, ["ddp_fp32", "onebit"], ["100mbit"])
         assert report["netns"] is True
         config = report["configs"][0]
-        assert config["netns_tx_bytes"] > 0 and config["qdisc"], "no traffic through the tbf qdisc"
+        assert config["netns_tx_bytes"] > 0, "no traffic through the namespace loopback"
         for method, summary in config["methods"].items():
             whole = summary["whole_run"]
             assert whole["wire_bytes_total"] > 0, method
@@ -137,21 +132,3 @@ def test_benchmark_in_rate_limited_netns(tmp_path: Path) -> None:
     finally:
         if name in _namespaces():  # never leave one behind, even when the assertions fail
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
-
-
-def test_the_100mbit_goal_is_measured_without_ddp_in_the_methods() -> None:
-    """``--methods onebit,zeroone,nocomm`` in a namespace measures the 100 Mbit/s goal (it said "needs netns")."""
-    sys.path.insert(0, str(REPO / "recipes"))
-    try:
-        from bench.analysis import evaluate_targets
-    finally:
-        sys.path.remove(str(REPO / "recipes"))
-
-    def method(samples_per_s: float, phase: str) -> dict:
-        return {"phases": {phase: {"samples_per_s": samples_per_s}}, "whole_run": {"samples_per_s": samples_per_s}}
-
-    methods = {"onebit": method(24.0, "compression"), "zeroone": method(30.4, "local"), "nocomm": method(32.0, "all")}
-    configs = [{"rate": "100mbit", "netns": True, "methods": methods}]
-    pack = {"numel": 4, "pack_gbps": 9.0, "unpack_gbps": 9.0, "pack_unpack_gbps": 4.5}
-    lines = [t for t in evaluate_targets(configs, pack, wire_measured=True) if "100 Mbit/s: " in t["text"]]
-    assert [(t["status"], t["text"].split(" = ")[1].split(" ")[0]) for t in lines] == [("MISS", "75%"), ("PASS", "95%")]

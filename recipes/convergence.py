@@ -1,56 +1,29 @@
 #!/usr/bin/env python
-"""Convergence suite: AdamW, PowerSGD, 1-bit Adam and 0/1 Adam with default settings, four workloads.
-
-One command, offline, CPU (gloo), about 100 minutes on two cores::
+"""Convergence suite: AdamW, PowerSGD, 1-bit Adam and 0/1 Adam with default settings (docs/convergence.md).
 
     python recipes/convergence.py --output_dir outputs/convergence
+    python recipes/convergence.py --workloads clm_lengths --output_dir outputs/convergence_lengths
 
-Workloads (``--workloads``, comma-separated):
-
-* ``finetune``: the offline all-MiniLM-L6-v2 fine-tuned by ``ZeroOneTrainer`` (Trainer defaults
-  plus lr, epochs, warm-up) to tell which stdlib package a docstring comes from (5 classes, real
-  text; see ``convergence_finetune.py``); metric: held-out accuracy. 2 ranks. One run per optimizer
-  and seed of ``--finetune_seeds`` (0,1,2): a single seed's accuracy scatters about 2 points either
-  way around AdamW's, so the row is the mean over the seeds and its goal is decided on the mean of
-  the paired differences (every optimizer of one seed starts from the same model and data).
-* ``clm``: GPT-2-style causal LM pre-training, ``mlm``: BERT-style masked LM pre-training, on the
-  embedded corpus and BPE tokenizer of ``pretrain.py`` (stdlib docstrings); metric: held-out
-  loss (fixed sequences and masks). 2 ranks.
-* ``clm_lengths``: the run-length sweep, ``clm`` at each of ``--clm_lengths`` (200, 400, 800 steps)
-  on each of ``--length_seeds`` (0-3); rows ``clm_200``, ``clm_400``, ... Goal: every single run
-  within +2% of AdamW's run of the same seed.
-* ``lsq``: least squares, ``y = W x + noise`` (128 Gaussian inputs, 32 outputs, weights of std 1,
-  noise std 0.1: floor 0.01) with one linear layer, 3 ranks, batch 16, lr 1e-2 decaying linearly
-  to 0, betas (0.9, 0.99), 640 steps, freeze at step 200. The loss, and with it the gradient's
-  scale, keeps falling long after the freeze: a frozen variance goes stale. Metric: held-out mean
-  squared error.
-
-Optimizers (``--optimizers``) get only user-level settings: lr and its schedule, and the run
-length with ``optimizer.set_run_length(T, W)`` as the README shows (``lsq``: the freeze at step
-200), and the same weight decay (0 by default) and gradient clipping for all; every other knob is
-the package's default at run time. PowerSGD is torch's hook at rank 4 with AdamW. What each row
-runs: ``suite/workloads.py``; how bytes and rounds are counted: ``suite/counting.py``.
-
-Every workload runs once per optimizer and seed (``--seeds``, default 0, for clm, mlm and lsq).
-Writes ``results.md`` (table, goals, seed-by-seed tables), ``results.json``, ``<workload>.png``
-(loss curves) and ``runs/<workload>/seed<S>/<optimizer>/run.log`` (each run is a ``torchrun
---standalone`` subprocess of ``suite/worker.py``) into ``--output_dir``. A run whose directory
-already holds the result of the same spec is not run again (``--rerun`` forces it). ``--quick``
-shrinks everything (smoke test; one seed, one length).
+Workloads: ``finetune`` (MiniLM via ``ZeroOneTrainer``, one run per seed of ``--finetune_seeds``), ``clm`` and
+``mlm`` (pre-training on ``pretrain.py``'s corpus), ``lsq`` (least squares, freeze at step 200) and ``clm_lengths``
+(``clm`` at each of ``--clm_lengths`` on each of ``--length_seeds``). Writes ``results.md``, ``results.json``,
+``<workload>.png`` and ``runs/<row>/seed<S>/<optimizer>/`` into ``--output_dir``; a run whose directory holds the
+result of the same spec is not run again (``--rerun`` forces it). ``--quick``: a smoke test.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from suite.launch import code_version, package_defaults, run  # noqa: E402 - needs the path
+import torch  # noqa: E402 - needs the path
+from pretrain import PretrainArguments, build_tokenizer, embedded_corpus, make_blocks  # noqa: E402
+from suite import workloads  # noqa: E402
+from suite.launch import arg, code_version, package_defaults, parse, run  # noqa: E402
 from suite.report import OPTIMIZERS, markdown, mean_over_seeds, plot  # noqa: E402
 
 WORKLOADS = ("finetune", "clm", "mlm", "lsq", "clm_lengths")
@@ -58,88 +31,48 @@ WORKLOADS = ("finetune", "clm", "mlm", "lsq", "clm_lengths")
 
 @dataclass
 class SuiteArguments:
-    output_dir: str = field(default="outputs/convergence", metadata={"help": "Results, plots, run logs, data."})
-    workloads: str = field(default=",".join(WORKLOADS), metadata={"help": f"Comma-separated: {', '.join(WORKLOADS)}."})
-    optimizers: str = field(
-        default=",".join(OPTIMIZERS), metadata={"help": f"Comma-separated: {', '.join(OPTIMIZERS)}."}
-    )
-    quick: bool = field(default=False, metadata={"help": "Tiny sizes everywhere (smoke test, seconds per run)."})
-    report_only: bool = field(default=False, metadata={"help": "Only rewrite results.md and plots from results.json."})
-    nproc: int = field(default=2, metadata={"help": "Ranks for finetune, clm and mlm."})
-    lsq_nproc: int = field(default=3, metadata={"help": "Ranks for lsq."})
-    timeout: int = field(default=1800, metadata={"help": "Seconds one run may take before it is killed."})
-    rerun: bool = field(default=False, metadata={"help": "Run again the runs whose results are on disk."})
-    seeds: str = field(
-        default="0", metadata={"help": "clm, mlm, lsq: comma-separated seeds (initialisation, data order, masks)."}
-    )
-    finetune_seeds: str = field(
-        default="0,1,2",
-        metadata={
-            "help": "Comma-separated seeds for finetune, one run per optimizer and seed (each seed its own "
-            "split, head and data order; every optimizer of a seed starts from the same model and data). Its "
-            "row is the mean over the seeds and its goal is decided on the mean of the paired differences."
-        },
-    )
-    follow_gradient_scale: bool = field(
-        default=True,
-        metadata={
-            "help": "False: build 1-bit and 0/1 Adam with follow_gradient_scale=False (the package default is "
-            "True) on clm, mlm and lsq; finetune runs through ZeroOneTrainer, which keeps the default."
-        },
-    )
-    settings: str = field(
-        default="",
-        metadata={
-            "help": "A JSON object of keyword arguments for 1-bit and 0/1 Adam on clm, mlm and lsq, and of "
-            "ZeroOneTrainingArguments fields on finetune (a diagnostic: the suite's goals are about the defaults), "
-            'e.g. \'{"clip_to_variance": false}\' or \'{"exact_step_dtype": "float8_e4m3fn"}\'. '
-            "'{\"exact_messages\": true}' averages their 1-bit messages exactly in fp32 instead (the variance "
-            "still frozen): what compression costs apart from the freeze. Use its own --output_dir."
-        },
-    )
-    clm_lengths: str = field(default="200,400,800", metadata={"help": "clm_lengths: comma-separated run lengths."})
-    length_seeds: str = field(default="0,1,2,3", metadata={"help": "clm_lengths: comma-separated seeds."})
-    weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay, the same for every optimizer."})
-    # language models
-    clm_steps: int = field(default=1000, metadata={"help": "CLM optimizer steps."})
-    mlm_steps: int = field(default=500, metadata={"help": "MLM optimizer steps."})
-    lm_lr: float = field(default=1e-3, metadata={"help": "LM peak learning rate (linear warm-up, then linear to 0)."})
-    lm_warmup_ratio: float = field(
-        default=0.1,
-        metadata={
-            "help": "LM warm-up W (T steps), told to 1-bit and 0/1 Adam with set_run_length(T, W); PowerSGD "
-            "starts compressing at W."
-        },
-    )
-    lm_batch_size: int = field(default=8, metadata={"help": "LM sequences per rank and step."})
-    lm_seq_len: int = field(default=64, metadata={"help": "LM tokens per sequence."})
-    lm_hidden_size: int = field(default=128, metadata={"help": "LM width."})
-    lm_num_layers: int = field(default=2, metadata={"help": "LM transformer layers."})
-    lm_num_heads: int = field(default=2, metadata={"help": "LM attention heads."})
-    lm_max_grad_norm: float = field(default=1.0, metadata={"help": "LM gradient clipping as pretrain.py (0: off)."})
-    lm_eval_sequences: int = field(default=128, metadata={"help": "Held-out sequences for the LM metric."})
-    corpus_chars: int = field(default=3_000_000, metadata={"help": "Size of the embedded docstring corpus."})
-    vocab_size: int = field(default=4096, metadata={"help": "BPE vocabulary trained on the corpus."})
-    # fine-tuning
-    finetune_lr: float = field(default=1e-4, metadata={"help": "Fine-tuning learning rate."})
-    finetune_epochs: float = field(default=3.0, metadata={"help": "Fine-tuning epochs (Trainer default)."})
-    finetune_warmup_ratio: float = field(default=0.1, metadata={"help": "Fine-tuning warm-up (fraction of steps)."})
-    finetune_per_class: int = field(default=0, metadata={"help": "Docstrings per class (0: all the smallest has)."})
-    finetune_eval_fraction: float = field(default=0.4, metadata={"help": "Held-out share of each class."})
-    finetune_max_length: int = field(default=64, metadata={"help": "Tokens per docstring (truncated)."})
-    # least squares
-    lsq_steps: int = field(default=640, metadata={"help": "Least-squares steps."})
-    lsq_freeze_step: int = field(default=200, metadata={"help": "Least squares: freeze_step / var_freeze_step."})
-    lsq_lr: float = field(default=1e-2, metadata={"help": "Least squares: lr, decaying linearly to 0."})
-    lsq_batch_size: int = field(default=16, metadata={"help": "Least squares: samples per rank and step."})
-    lsq_noise: float = field(default=0.1, metadata={"help": "Least squares: label noise std (floor: its square)."})
-    lsq_weight_std: float = field(
-        default=1.0,
-        metadata={
-            "help": "Least squares: std of the true weights. 1: outputs of variance 128, so the loss (and the "
-            "gradient's scale) falls by two orders of magnitude after the freeze; 1/sqrt(128) is an easy problem."
-        },
-    )
+    output_dir: str = arg("outputs/convergence", "Results, plots, run logs, data.")
+    workloads: str = arg(",".join(WORKLOADS), f"Comma-separated: {', '.join(WORKLOADS)}.")
+    optimizers: str = arg(",".join(OPTIMIZERS), f"Comma-separated: {', '.join(OPTIMIZERS)}.")
+    quick: bool = arg(False, "Tiny sizes everywhere (smoke test, seconds per run).")
+    report_only: bool = arg(False, "Only rewrite results.md and plots from results.json.")
+    nproc: int = arg(2, "Ranks for finetune, clm and mlm.")
+    lsq_nproc: int = arg(3, "Ranks for lsq.")
+    timeout: int = arg(1800, "Seconds one run may take before it is killed.")
+    rerun: bool = arg(False, "Run again the runs whose results are on disk.")
+    seeds: str = arg("0", "clm, mlm, lsq: comma-separated seeds (initialisation, data order, masks).")
+    finetune_seeds: str = arg("0,1,2", "finetune: comma-separated seeds (split, head, data order); the row: the mean.")
+    follow_gradient_scale: bool = arg(True, "False: 1-bit and 0/1 Adam with follow_gradient_scale=False.")
+    settings: str = arg("", "JSON object of 1-bit and 0/1 Adam keyword arguments (finetune: ZeroOneTrainingArguments "
+                        "fields), a diagnostic (exact_messages: true averages 1-bit messages in fp32).")  # fmt: skip
+    clm_lengths: str = arg("200,400,800", "clm_lengths: comma-separated run lengths.")
+    length_seeds: str = arg("0,1,2,3", "clm_lengths: comma-separated seeds.")
+    weight_decay: float = arg(0.0, "Decoupled weight decay, the same for every optimizer.")
+    clm_steps: int = arg(1000, "CLM optimizer steps.")
+    mlm_steps: int = arg(500, "MLM optimizer steps.")
+    lm_lr: float = arg(1e-3, "LM peak learning rate (linear warm-up, then linear to 0).")
+    lm_warmup_ratio: float = arg(0.1, "LM warm-up W, told to 1-bit and 0/1 Adam by set_run_length(T, W).")
+    lm_batch_size: int = arg(8, "LM sequences per rank and step.")
+    lm_seq_len: int = arg(64, "LM tokens per sequence.")
+    lm_hidden_size: int = arg(128, "LM width.")
+    lm_num_layers: int = arg(2, "LM transformer layers.")
+    lm_num_heads: int = arg(2, "LM attention heads.")
+    lm_max_grad_norm: float = arg(1.0, "LM gradient clipping as pretrain.py (0: off).")
+    lm_eval_sequences: int = arg(128, "Held-out sequences for the LM metric.")
+    corpus_chars: int = arg(3_000_000, "Size of the embedded docstring corpus.")
+    vocab_size: int = arg(4096, "BPE vocabulary trained on the corpus.")
+    finetune_lr: float = arg(1e-4, "Fine-tuning learning rate.")
+    finetune_epochs: float = arg(3.0, "Fine-tuning epochs (Trainer default).")
+    finetune_warmup_ratio: float = arg(0.1, "Fine-tuning warm-up (fraction of steps).")
+    finetune_per_class: int = arg(0, "Docstrings per class (0: all the smallest has).")
+    finetune_eval_fraction: float = arg(0.4, "Held-out share of each class.")
+    finetune_max_length: int = arg(64, "Tokens per docstring (truncated).")
+    lsq_steps: int = arg(640, "Least-squares steps.")
+    lsq_freeze_step: int = arg(200, "Least squares: freeze_step / var_freeze_step.")
+    lsq_lr: float = arg(1e-2, "Least squares: lr, decaying linearly to 0.")
+    lsq_batch_size: int = arg(16, "Least squares: samples per rank and step.")
+    lsq_noise: float = arg(0.1, "Least squares: label noise std (floor: its square).")
+    lsq_weight_std: float = arg(1.0, "Least squares: std of the true weights.")
 
     def __post_init__(self) -> None:
         for name, allowed in (("workloads", WORKLOADS), ("optimizers", OPTIMIZERS)):
@@ -169,18 +102,13 @@ def int_list(name: str, text: str) -> list[int]:
 
 
 QUICK = dict(clm_steps=24, mlm_steps=24, clm_lengths="24", length_seeds="0", lm_batch_size=4, lm_seq_len=32,
-             lm_hidden_size=32, lm_eval_sequences=16,
-             corpus_chars=150_000, vocab_size=512, finetune_epochs=1.0, finetune_per_class=12,
-             finetune_max_length=32, finetune_seeds="0", lsq_steps=64, lsq_freeze_step=20, lsq_weight_std=0.1,
-             timeout=300)  # fmt: skip
+             lm_hidden_size=32, lm_eval_sequences=16, corpus_chars=150_000, vocab_size=512, finetune_epochs=1.0,
+             finetune_per_class=12, finetune_max_length=32, finetune_seeds="0", lsq_steps=64, lsq_freeze_step=20,
+             lsq_weight_std=0.1, timeout=300)  # fmt: skip
 
 
-# ------------------------------------------------------------------------------------ data
 def prepare_lm_data(args: SuiteArguments, out: Path) -> Path:
     """Tokenizer and shuffled token blocks, built once and shared by clm and mlm."""
-    import torch
-    from pretrain import PretrainArguments, build_tokenizer, embedded_corpus, make_blocks
-
     key = {"chars": args.corpus_chars, "vocab": args.vocab_size, "seq_len": args.lm_seq_len, "seed": 0}
     data = out / "data" / f"lm_{args.corpus_chars}_{args.vocab_size}_{args.lm_seq_len}"
     meta = data / "meta.json"
@@ -197,27 +125,29 @@ def prepare_lm_data(args: SuiteArguments, out: Path) -> Path:
 
 
 def prepare_finetune_data(args: SuiteArguments, out: Path, seed: int) -> Path:
-    from suite.finetune import docstring_dataset
-
-    # the name says what was generated: a saved run is reused only on the same data (suite/launch.same_run)
-    data = out / "data" / f"finetune_seed{seed}_per_class{args.finetune_per_class}_eval{args.finetune_eval_fraction:g}"
+    """The seed's docstring split, in a directory named by what it holds (saved runs are reused on the same data)."""
+    per_class, fraction = args.finetune_per_class, args.finetune_eval_fraction
+    data = out / "data" / f"finetune_seed{seed}_per_class{per_class}_eval{fraction:g}"
     data.mkdir(parents=True, exist_ok=True)
-    ds = docstring_dataset(per_class=args.finetune_per_class, eval_fraction=args.finetune_eval_fraction, seed=seed)
+    ds = workloads.docstring_dataset(per_class=per_class, eval_fraction=fraction, seed=seed)
     (data / "docstrings.json").write_text(json.dumps(ds))
     return data
 
 
-def check_settings(text: str) -> None:
-    """``--settings`` must be a JSON object (checked before any run starts)."""
-    if not text:
+def check_settings(args: SuiteArguments) -> None:
+    """``--settings`` must be a JSON object (of Trainer argument fields for finetune), checked before any run."""
+    if not args.settings:
         return
     try:
-        value = json.loads(text)
+        value = json.loads(args.settings)
     except json.JSONDecodeError as err:
         example = '{"clip_to_variance": false}'
         raise SystemExit(f"--settings is not valid JSON ({err}); give an object, e.g. '{example}'") from None
     if not isinstance(value, dict):
-        raise SystemExit(f"--settings must be a JSON object of keyword arguments, got {text!r}")
+        raise SystemExit(f"--settings must be a JSON object of keyword arguments, got {args.settings!r}")
+    problem = "finetune" in args.workloads.split(",") and workloads.unknown_trainer_settings(value)
+    if problem:
+        raise SystemExit(problem)
 
 
 def make_spec(
@@ -242,7 +172,6 @@ def make_spec(
         spec.update(hidden_size=args.lm_hidden_size, num_layers=args.lm_num_layers, num_heads=args.lm_num_heads)
         spec.update(max_grad_norm=args.lm_max_grad_norm, eval_size=args.lm_eval_sequences)
     if args.settings and optimizer in ("onebit_adam", "zeroone_adam"):
-        # clm, mlm, lsq: optimizer keyword arguments; finetune: ZeroOneTrainingArguments fields
         spec["settings"] = {**spec.get("settings", {}), **json.loads(args.settings)}
     defaults = package_defaults(optimizer, trainer=workload == "finetune")  # fine-tuning goes through the Trainer
     if defaults is not None:  # a saved run of other defaults is run again
@@ -264,20 +193,11 @@ def plan(args: SuiteArguments) -> list[tuple[str, str, int | None, list[int]]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from transformers import HfArgumentParser
-
-    argv = sys.argv[1:] if argv is None else argv
-    (args,) = HfArgumentParser(SuiteArguments).parse_args_into_dataclasses(argv)
-    check_settings(args.settings)
-    if args.settings and "finetune" in args.workloads.split(","):
-        from suite.finetune import unknown_trainer_settings
-
-        problem = unknown_trainer_settings(json.loads(args.settings))
-        if problem:
-            raise SystemExit(problem)
+    """Run every row of ``plan`` (or only rewrite the report) and write the results."""
+    args, command = parse(SuiteArguments, argv, "convergence.py")
+    check_settings(args)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["python", "recipes/convergence.py", *argv])  # quoted: copied into a shell, it runs as it ran
     args.code = code_version()  # reported with the settings
     results: dict[str, dict] = {}
     if args.report_only:
@@ -287,11 +207,6 @@ def main(argv: list[str] | None = None) -> dict:
         plot(results, out)
         print((out / "results.md").read_text())
         return results
-
-    def save() -> None:
-        (out / "results.json").write_text(json.dumps({"command": command, "code": args.code, "results": results}))
-        (out / "results.md").write_text(markdown(results, command, args))
-
     for row, workload, steps, seeds in plan(args):
         nproc = args.lsq_nproc if workload == "lsq" else args.nproc
         per_seed: dict[str, dict[str, dict]] = {}  # optimizer -> seed -> result
@@ -301,12 +216,12 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 data = prepare_lm_data(args, out) if workload in ("clm", "mlm") else out
             for name in args.optimizers.split(","):
-                run_dir = out / "runs" / row / f"seed{seed}" / name
-                spec = make_spec(args, workload, name, data, run_dir, seed, steps)
+                spec = make_spec(args, workload, name, data, out / "runs" / row / f"seed{seed}" / name, seed, steps)
                 result = run(spec, nproc, args.timeout, f"{row}/seed{seed}", resume=not args.rerun)
                 per_seed.setdefault(name, {})[str(seed)] = result
             results[row] = {n: mean_over_seeds(runs) for n, runs in per_seed.items()}  # paired: whole seeds
-            save()
+            (out / "results.json").write_text(json.dumps({"command": command, "code": args.code, "results": results}))
+            (out / "results.md").write_text(markdown(results, command, args))
         plot({row: results[row]}, out)
     print("\n" + (out / "results.md").read_text())
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {', '.join(f'{w}.png' for w in results)}")

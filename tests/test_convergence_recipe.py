@@ -161,7 +161,7 @@ def test_suite_runs_finetune_once_per_seed(tmp_path, monkeypatch):
 def test_finetune_seed_reaches_the_trainer(tmp_path):
     """--seed changes the head's initialisation and the data order, not only the split."""
     suite = _load_suite()
-    from suite import finetune as convergence_finetune  # recipes/ is on sys.path once the suite is loaded
+    from suite import workloads as convergence_finetune  # recipes/ is on sys.path once the suite is loaded
 
     for seed in (0, 3):
         spec = suite.make_spec(suite.SuiteArguments(), "finetune", "zeroone_adam", tmp_path, tmp_path, seed)
@@ -173,7 +173,7 @@ def test_finetune_seed_reaches_the_trainer(tmp_path):
 def test_finetune_head_is_seeded():
     """Two runs of one spec, and every optimizer of one suite run, start from the same head."""
     _load_suite()
-    from suite import finetune as convergence_finetune
+    from suite import workloads as convergence_finetune
 
     labels = list(convergence_finetune.PACKAGES)
     first, again = (convergence_finetune.pretrained_classifier(labels, seed=0) for _ in range(2))
@@ -209,7 +209,7 @@ def test_finetune_data_of_other_parameters_is_another_directory(tmp_path, monkey
     """A saved fine-tuning run is reused only on the same documents: the data directory names them."""
     sys.path.insert(0, str(RECIPES))
     import convergence
-    from suite import finetune
+    from suite import workloads as finetune
 
     monkeypatch.setattr(finetune, "docstring_dataset", lambda **kw: {"kw": kw})
     base = convergence.SuiteArguments(output_dir=str(tmp_path))
@@ -281,7 +281,7 @@ def test_settings_reach_the_finetune_rows_as_trainer_arguments_and_others_stop_t
     with pytest.raises(SystemExit, match=r"\['exact_messages'\] are not ZeroOneTrainingArguments fields"):
         suite.main(["--workloads", "finetune", "--settings", '{"exact_messages": true}', "--output_dir", str(tmp_path)])
     assert not (tmp_path / "runs").exists()
-    from suite.finetune import training_arguments
+    from suite.workloads import training_arguments
 
     spec = {"optimizer": "zeroone_adam", "run_dir": str(tmp_path), "lr": 1e-4, "epochs": 1.0, "warmup_ratio": 0.1}
     spec.update(seed=0, log_every=5, settings={"exact_step_dtype": "float8_e4m3fn", "local_step_clipper": 1})

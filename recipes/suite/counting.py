@@ -1,18 +1,5 @@
-"""Counting what each run sends, and the progress each run reports (shared by every suite worker).
-
-Bytes and rounds per rank are counted the same way for every row:
-
-* hf_zeroone counts its own (``opt.comm_stats``: ``bytes_sent``, ``collectives``);
-* for torch's DDP hooks (AdamW's plain allreduce, PowerSGD) and for the peers (``peers.py``), the
-  module-level ``dist`` of the module that communicates is replaced by a proxy that counts every
-  collective it issues: one round each; an allreduce costs the ring formula of hf_zeroone,
-  ``2 (P-1)/P x`` the tensor's bytes (the model ``CommStats`` uses), an all-gather ``(P-1)/P x``
-  the gathered bytes (each rank sends its own part to the others), a broadcast its bytes.
-
-For AdamW that is one allreduce per DDP bucket per step; for PowerSGD the allreduces of the
-uncompressed tensors, of the P matrices and of the Q matrices per bucket (one per bucket before
-``start_powerSGD_iter``).
-"""
+"""Bytes and rounds per rank of every suite run: hf_zeroone's own ``comm_stats``, else every collective counted
+(one round each; an allreduce ``2 (P-1)/P x`` its bytes, an all-gather ``(P-1) x`` this rank's part)."""
 
 from __future__ import annotations
 
@@ -24,6 +11,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+from hf_zeroone.comm import fp32_allreduce_bytes
+from hf_zeroone.ddp_hook import register_zeroone_hook
+from hf_zeroone.integrations.stats import unwrap_optimizer
+
+OURS = ("onebit_adam", "zeroone_adam")
 
 
 @dataclass
@@ -38,62 +32,44 @@ class Method:
 
 
 class HookCounter:
-    """Counts the collectives a module issues through its module-level ``dist``: rounds and bytes per rank."""
+    """Rounds and bytes per rank of the collectives it is told about."""
 
     def __init__(self, world: int) -> None:
         self.world, self.bytes, self.rounds = world, 0, 0
 
     def add(self, numel: int, element_size: int, op: str = "all_reduce") -> None:
-        """One collective of ``numel`` elements (an all-gather: this rank's part), counted per rank."""
-        from hf_zeroone.comm import fp32_allreduce_bytes
-
+        """One collective of ``numel`` elements (an all-gather: this rank's part)."""
         self.rounds += 1
         if op == "all_reduce":
             self.bytes += fp32_allreduce_bytes(numel, self.world, element_size)
-        elif op == "all_gather":  # this rank's part goes to the P - 1 others
-            self.bytes += (self.world - 1) * numel * element_size
-        else:  # broadcast: the whole tensor, once
-            self.bytes += numel * element_size
+        else:  # all-gather: this rank's part to the P - 1 others; broadcast: the whole tensor once
+            self.bytes += (self.world - 1 if op == "all_gather" else 1) * numel * element_size
 
-    def proxy(self):  # noqa: ANN201 - a stand-in for torch.distributed
-        """``torch.distributed`` with its allreduces, all-gathers and broadcasts counted."""
-        counter = self
+    def wrap(self, fn: Callable, op: str = "all_reduce", pos: int = 0) -> Callable:
+        """``fn`` with the tensor it gets as positional argument ``pos`` counted."""
 
-        class CountingDist:
-            def __getattr__(self, name):  # everything else is torch.distributed itself
-                return getattr(dist, name)
+        def counted(*args, **kwargs):
+            self.add(args[pos].numel(), args[pos].element_size(), op)
+            return fn(*args, **kwargs)
 
-            def all_reduce(self, tensor, *args, **kwargs):
-                counter.add(tensor.numel(), tensor.element_size())
-                return dist.all_reduce(tensor, *args, **kwargs)
-
-            def all_gather(self, tensors, tensor, *args, **kwargs):
-                counter.add(tensor.numel(), tensor.element_size(), "all_gather")
-                return dist.all_gather(tensors, tensor, *args, **kwargs)
-
-            def broadcast(self, tensor, *args, **kwargs):
-                counter.add(tensor.numel(), tensor.element_size(), "broadcast")
-                return dist.broadcast(tensor, *args, **kwargs)
-
-        return CountingDist()
+        return counted
 
     def install(self, *modules) -> None:  # noqa: ANN002 - modules
         """Count what ``modules`` (default: torch's allreduce and PowerSGD hooks) send through ``dist``."""
-        if not modules:
-            import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
-            import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
 
-            modules = (default_hooks, powersgd)
-        for module in modules:
-            module.dist = self.proxy()
+        class CountingDist:  # torch.distributed, with the collectives set below counted
+            def __getattr__(self, name: str) -> Any:  # noqa: ANN401
+                return getattr(dist, name)
+
+        proxy = CountingDist()
+        for op, pos in (("all_reduce", 0), ("all_gather", 1), ("broadcast", 0)):
+            setattr(proxy, op, self.wrap(getattr(dist, op), op, pos))
+        for module in modules or (default_hooks, powerSGD_hook):
+            module.dist = proxy
 
 
-def attach_communication(ddp, name: str, opt, start: int, counter: HookCounter) -> None:
-    """The DDP communication each optimizer runs with (see the module docstring)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    from hf_zeroone.ddp_hook import register_zeroone_hook
-
+def attach_communication(ddp, name: str, opt, start: int, counter: HookCounter) -> None:  # noqa: ANN001
+    """AdamW: torch's allreduce hook; PowerSGD: rank 4 from ``start``; hf_zeroone: its own hook."""
     if name in ("adamw", "powersgd"):
         counter.install()
     if name == "adamw":
@@ -107,72 +83,38 @@ def attach_communication(ddp, name: str, opt, start: int, counter: HookCounter) 
         register_zeroone_hook(ddp, opt)
 
 
-def one_bucket_at_a_time(hook):
-    """``hook`` on a bucket starts only once its previous bucket's future has completed.
-
-    torch's PowerSGD hook issues the P and Q allreduces from future callbacks. With several DDP
-    buckets on gloo, those can reach the process group in a different order on different ranks
-    (seen here: "Received data size doesn't match expected size" at the first compressed step).
-    Waiting for the previous bucket fixes the order; what is computed and sent is unchanged. The
-    hook also gets a process group of its own: under the Trainer (``find_unused_parameters=True``)
-    the run still failed the same way at the first compressed step, most likely because DDP's own
-    allreduce of the used-parameter map interleaved with the P and Q allreduces.
-    """
+def one_bucket_at_a_time(hook: Callable) -> Callable:
+    """``hook`` on a bucket starts once the previous bucket's future is done: PowerSGD's P and Q allreduces, issued
+    from future callbacks, then reach gloo in the same order on every rank (with a process group of their own)."""
     previous: list = []
 
     def serial(state, bucket):
         if previous:
             previous.pop().wait()
-        fut = hook(state, bucket)
-        previous.append(fut)
-        return fut
+        previous.append(hook(state, bucket))
+        return previous[-1]
 
     return serial
 
 
-def comm_totals(name: str, opt, counter: HookCounter) -> tuple[int, int]:
-    if name in ("onebit_adam", "zeroone_adam"):
-        from hf_zeroone.integrations.stats import unwrap_optimizer
-
+def comm_totals(name: str, opt, counter: HookCounter) -> tuple[int, int]:  # noqa: ANN001
+    """(bytes, rounds) this rank has sent: hf_zeroone's own count, else ``counter``'s."""
+    if name in OURS:
         stats = unwrap_optimizer(opt).comm_stats
         return stats.bytes_sent, stats.collectives
     return counter.bytes, counter.rounds
 
 
-class Progress:
-    """A tqdm bar on rank 0 plus a one-line progress file the suite polls."""
-
-    def __init__(self, spec: dict, total: int, rank: int) -> None:
-        self.path, self.total, self.bar = Path(spec["run_dir"]) / "progress.txt", total, None
-        if rank == 0:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=f"{spec['workload']}/{spec['optimizer']}", mininterval=2.0)
-
-    def update(self, step: int, loss: float) -> None:
-        if self.bar is None:
-            return
-        self.bar.update(1)
-        if step % 10 == 0 or step == self.total:
-            self.bar.set_postfix(loss=f"{loss:.4f}")
-            self.path.write_text(f"{step} {self.total} {loss:.6g}\n")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+def progress(spec: dict, rank: int, step: int, total: int, loss: float) -> None:
+    """Rank 0, every 10th and the last step: ``step total loss`` into the file the suite polls."""
+    if rank == 0 and (step % 10 == 0 or step == total):
+        Path(spec["run_dir"], "progress.txt").write_text(f"{step} {total} {loss:.6g}\n")
 
 
 def run_summary(
     curve: list[list], tail: list[float], sent: int, rounds: int, steps: int, model: torch.nn.Module, wall: float
 ) -> dict:
     """The fields every run's result has: the loss curve and its last tenth, bytes, rounds, size, time."""
-    return {
-        "train_loss_last10pct": sum(tail) / len(tail),
-        "first_loss": curve[0][1],
-        "curve": curve,
-        "bytes": sent,
-        "rounds": rounds,
-        "steps": steps,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "train_wall_s": wall,
-    }
+    return {"train_loss_last10pct": sum(tail) / len(tail), "first_loss": curve[0][1], "curve": curve, "bytes": sent,
+            "rounds": rounds, "steps": steps, "parameters": sum(p.numel() for p in model.parameters()),
+            "train_wall_s": wall}  # fmt: skip

@@ -1,48 +1,57 @@
-"""Running one spec: a ``torchrun --standalone`` subprocess of ``worker.py``, with a progress bar.
-
-Each run gets its own directory (``spec.json``, ``run.log``, ``result.json``); a run that fails or
-outlives its timeout is killed with its whole process group and reported with its log's tail.
-"""
+"""Running one spec as a ``torchrun`` subprocess of ``workloads.py`` (its directory: ``spec.json``, ``run.log``,
+``result.json``), and the parts the drivers share."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
 
-def launch(spec: dict, nproc: int, timeout: float, bar, prefix: list[str] | None = None) -> dict:
-    """One torchrun subprocess; returns rank 0's result, or an error with the log's tail (all ranks).
+def arg(default: Any, help: str) -> Any:  # noqa: ANN401
+    """A dataclass field with its command-line help."""
+    return field(default=default, metadata={"help": help})
 
-    ``prefix``: put before the command (``ip netns exec NAME`` to run every rank in a network namespace).
-    """
+
+def parse(cls: type, argv: list[str] | None, script: str) -> tuple[Any, str]:
+    """``cls`` from ``argv`` (default: the command line), and the command quoted to run as it ran in a shell."""
+    from transformers import HfArgumentParser
+
+    argv = sys.argv[1:] if argv is None else argv
+    (args,) = HfArgumentParser(cls).parse_args_into_dataclasses(argv)
+    return args, shlex.join(["python", f"recipes/{script}", *argv])
+
+
+def launch(spec: dict, nproc: int, timeout: float, bar, prefix: list[str] | None = None) -> dict:  # noqa: ANN001
+    """One torchrun subprocess (``prefix``: before the command); rank 0's result, or an error and the log's tail."""
     run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("result.json", "progress.txt"):
         (run_dir / stale).unlink(missing_ok=True)
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += [str(HERE / "worker.py"), str(run_dir / "spec.json")]
-    cmd = [*(prefix or []), *cmd]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    env.update(TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
-    log_path = run_dir / "run.log"
+    cmd = [*(prefix or []), sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    cmd += [str(nproc), str(HERE / "workloads.py"), str(run_dir / "spec.json")]
+    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    log_path, progress = run_dir / "run.log", run_dir / "progress.txt"
     start, last = time.perf_counter(), 0
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         while proc.poll() is None:
             time.sleep(1.0)
-            text = (run_dir / "progress.txt").read_text().split() if (run_dir / "progress.txt").exists() else []
-            if len(text) == 3:
-                step, total = int(text[0]), int(text[1])
-                bar.total = total
+            text = progress.read_text().split() if progress.exists() else []
+            if len(text) == 3:  # step, total, loss
+                bar.total, step = int(text[1]), int(text[0])
                 bar.update(step - last)
                 bar.set_postfix(loss=text[2])
                 last = step
@@ -61,8 +70,8 @@ def launch(spec: dict, nproc: int, timeout: float, bar, prefix: list[str] | None
         result_path.write_text(json.dumps(result))
         return result
     why = f"timed out after {timeout:.0f}s" if wall > timeout else f"exit code {proc.returncode}"
-    tail = log_path.read_text(errors="replace")[-6000:]
-    return {**{k: spec[k] for k in ("workload", "optimizer")}, "error": why, "log_tail": tail, "wall_s": wall}
+    failed = {"error": why, "log_tail": log_path.read_text(errors="replace")[-6000:], "wall_s": wall}
+    return {"workload": spec["workload"], "optimizer": spec["optimizer"], **failed}
 
 
 def code_version() -> str:
@@ -80,13 +89,8 @@ def code_version() -> str:
 
 
 def package_defaults(optimizer: str, trainer: bool = False) -> dict | None:
-    """What a run of an hf_zeroone ``optimizer`` takes from the package without being told, or ``None``.
-
-    Its constructor's defaults and the constants its schedule is derived from
-    (``set_run_length``); with ``trainer``, also the defaults of the Trainer's arguments
-    (``ZeroOneArgumentsMixin``), through which the run builds it. Recorded in the spec, so that
-    a saved run made under other defaults is not taken for the run asked for now (:func:`same_run`).
-    """
+    """What an hf_zeroone run takes from the package unasked (constructor, schedule, with ``trainer`` the Trainer's
+    arguments), recorded in its spec so that a saved run of other defaults is run again; ``None`` for the others."""
     if optimizer not in ("onebit_adam", "zeroone_adam"):
         return None
     import dataclasses
@@ -107,39 +111,24 @@ def package_defaults(optimizer: str, trainer: bool = False) -> dict | None:
 
 
 def same_run(saved: dict, spec: dict) -> bool:
-    """Whether a saved spec describes the run ``spec`` asks for, wherever the output directory now lies.
-
-    The run directory is left out and the data directory compared by its name (which names what
-    was generated), so that a copied or moved output directory keeps its runs.
-    """
+    """Whether a saved spec is ``spec``'s run wherever the output directory lies (the data compared by its name)."""
 
     def where_free(s: dict) -> dict:
-        out = {k: v for k, v in s.items() if k != "run_dir"}
-        if "data_dir" in out:
-            out["data_dir"] = Path(out["data_dir"]).name
-        return out
+        return {**s, "run_dir": None, **({"data_dir": Path(s["data_dir"]).name} if "data_dir" in s else {})}
 
     return where_free(saved) == where_free(spec)
 
 
 def run(spec: dict, nproc: int, timeout: float, desc: str, resume: bool = False) -> dict:
-    """``launch`` with a progress bar; a failure's log tail goes to stderr.
-
-    ``resume``: a run directory that already holds this spec (:func:`same_run`) and its result is
-    not run again.
-    """
+    """``launch`` with a progress bar (``resume``: a saved result of the same spec is returned instead)."""
     from tqdm.auto import tqdm
 
     run_dir = Path(spec["run_dir"])
     if resume and (run_dir / "result.json").exists() and (run_dir / "spec.json").exists():
         if same_run(json.loads((run_dir / "spec.json").read_text()), spec):
             return json.loads((run_dir / "result.json").read_text())
-
     with tqdm(desc=f"{desc}/{spec['optimizer']}", unit="step", leave=True, mininterval=2.0) as bar:
         result = launch(spec, nproc, timeout, bar)
     if "error" in result:
-        print(
-            f"[suite] {desc}/{spec['optimizer']} failed ({result['error']}):\n{result['log_tail']}",
-            file=sys.stderr,
-        )
+        print(f"[suite] {desc}/{spec['optimizer']} failed ({result['error']}):\n{result['log_tail']}", file=sys.stderr)
     return result

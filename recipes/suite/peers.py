@@ -1,31 +1,5 @@
-"""The peers: local-step and sparse-momentum methods, each from its own package, as a suite row.
-
-Install them with ``pip install -e ".[peers]"`` (torchft, pytorch-optimizer, einops); the rest of
-the suite does not need them. Nothing here re-implements a peer: each row builds the package's
-own class with the settings its paper or README gives, and only counts what it sends.
-
-* ``diloco``: torchft's ``DiLoCo`` (Douillard et al., arXiv 2311.08105). Inner optimizer: AdamW
-  with the suite's settings and LR schedule; outer: ``SGD(lr=outer_lr, momentum=outer_momentum,
-  nesterov=True)`` (the paper's, ``outer_lr`` 0.7 and ``outer_momentum`` 0.9 by default); ``sync_every`` = ``H``. Each
-  process is a torchft replica group of one, with its own ``TCPStore`` and
-  ``torchft.ProcessGroupGloo``; rank 0 runs the lighthouse in-process. Bytes: every
-  ``Manager.allreduce`` of the pseudo-gradients, fp32 (``should_quantize`` needs Triton, so the
-  quantized path is not taken on CPU), by the ring formula; the lighthouse's quorum messages
-  (a few hundred bytes per sync) are not counted.
-* ``demo``: ``pytorch_optimizer.DeMo`` (Peng et al., arXiv 2411.19870): sign-SGD on the top-k DCT
-  coefficients of each rank's momentum, exchanged with two all-gathers (indices int64, values)
-  per step. Bytes: what the all-gathers send, ``(P-1)`` times this rank's part; the row also
-  records DeMo's own ``data_transmit`` total to show that the two agree.
-* ``post_local_sgd``: torch's post-local SGD (Lin et al., arXiv 1808.07217):
-  ``PostLocalSGDOptimizer(AdamW, PeriodicModelAverager(period, warmup_steps=W))`` on DDP with
-  ``post_localSGD_hook`` (``start_localSGD_iter=W``, ``post_local_gradient_allreduce=False``:
-  the default splits the world with ``new_subgroups()``, which needs CUDA). Gradients are
-  allreduced during the LR warm-up, parameters averaged every ``period`` steps after it, and once
-  more when the loop ends so that every replica evaluates the same model.
-
-Left out: SparseLoCo (no package), and Accelerate's ``LocalSGD``, which averages the parameters
-every ``local_sgd_steps`` steps exactly as ``post_local_sgd`` does after its warm-up.
-"""
+"""The peers as suite rows: torchft's DiLoCo, DeMo and torch's post-local SGD, each from its own package
+(``pip install -e ".[peers]"``) and only counted here."""
 
 from __future__ import annotations
 
@@ -36,16 +10,17 @@ import torch.distributed as dist
 
 from suite.counting import HookCounter, Method
 
-PEERS = ("diloco", "demo", "post_local_sgd")
 #: each peer's settings and their defaults (a frontier point overrides them in ``spec["settings"]``)
 PEER_DEFAULTS = {
     "diloco": {"sync_every": 32, "outer_lr": 0.7, "outer_momentum": 0.9},
     "demo": {"compression_top_k": 32, "compression_chunk": 64},
     "post_local_sgd": {"period": 16},
 }
+PEERS = tuple(PEER_DEFAULTS)
 
 
 def build_peer(spec: dict, model: torch.nn.Module, world: int) -> Method:
+    """The peer ``spec["optimizer"]`` with its defaults and the spec's ``settings``."""
     name = spec["optimizer"]
     if name not in PEERS:
         raise ValueError(f"unknown optimizer {name!r}; choose from adamw, powersgd, onebit_adam, zeroone_adam, "
@@ -65,6 +40,7 @@ def inner_adamw(spec: dict, params) -> torch.optim.AdamW:  # noqa: ANN001
 def diloco(
     spec: dict, model: torch.nn.Module, world: int, sync_every: int, outer_lr: float, outer_momentum: float
 ) -> Method:
+    """torchft's DiLoCo, every ``Manager.allreduce`` (fp32 pseudo-gradients) counted; quorums are not."""
     from torchft import Manager, ProcessGroupGloo
     from torchft.coordination import LighthouseServer
     from torchft.local_sgd import DiLoCo
@@ -74,35 +50,21 @@ def diloco(
         lighthouse = LighthouseServer(bind="[::]:0", min_replicas=world, join_timeout_ms=60_000)
         port = [int(lighthouse.address().rsplit(":", 1)[1])]
     dist.broadcast_object_list(port, src=0)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    store_alive = [store]
+    store_alive = [store := dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)]
     inner = inner_adamw(spec, model.parameters())
     outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+    timeout = timedelta(seconds=300)
+    # DiLoCo refuses an async quorum; no init_sync: every replica starts from the same seeded model;
+    # lighthouse_addr: address() names the machine, not loopback
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=300)),
-        min_replica_size=world,
-        use_async_quorum=False,  # DiLoCo refuses anything else
-        init_sync=False,  # every replica starts from the same seeded model
+        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=world, use_async_quorum=False, init_sync=False,
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
         state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
-        replica_id=f"suite_{rank}",
-        rank=0,
-        world_size=1,
-        store_addr="localhost",
-        store_port=store.port,
-        lighthouse_addr=f"http://localhost:{port[0]}",  # address() names the machine, not loopback
-        hostname="localhost",
-        timeout=timedelta(seconds=300),
-        quorum_timeout=timedelta(seconds=300),
-    )
+        replica_id=f"suite_{rank}", rank=0, world_size=1, store_addr="localhost", store_port=store.port,
+        lighthouse_addr=f"http://localhost:{port[0]}", hostname="localhost", timeout=timeout, quorum_timeout=timeout,
+    )  # fmt: skip
     counter = HookCounter(world)
-    allreduce = manager.allreduce
-
-    def counted_allreduce(tensor, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        counter.add(tensor.numel(), tensor.element_size())
-        return allreduce(tensor, *args, **kwargs)
-
-    manager.allreduce = counted_allreduce
+    manager.allreduce = counter.wrap(manager.allreduce)
 
     def finish() -> None:  # the store must live until here: the quorum's process groups connect to it
         manager.shutdown(wait=False)
@@ -116,17 +78,12 @@ def diloco(
 
 
 def demo(spec: dict, model: torch.nn.Module, world: int, compression_top_k: int, compression_chunk: int) -> Method:
+    """DeMo, its two all-gathers per step counted and checked against its own ``data_transmit``."""
     import pytorch_optimizer.optimizer.demo as demo_module
     from pytorch_optimizer import DeMo
 
     counter = HookCounter(world)
-    all_gather = demo_module.all_gather
-
-    def counted_all_gather(tensors, tensor, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        counter.add(tensor.numel(), tensor.element_size(), "all_gather")
-        return all_gather(tensors, tensor, *args, **kwargs)
-
-    demo_module.all_gather = counted_all_gather
+    demo_module.all_gather = counter.wrap(demo_module.all_gather, "all_gather", 1)
     opt = DeMo(model.parameters(), lr=spec["lr"], compression_top_k=compression_top_k,
                compression_chunk=compression_chunk, weight_decay=spec["weight_decay"])  # fmt: skip
     reported = [0]
@@ -145,6 +102,7 @@ def demo(spec: dict, model: torch.nn.Module, world: int, compression_top_k: int,
 
 
 def post_local_sgd(spec: dict, model: torch.nn.Module, world: int, period: int) -> Method:
+    """Post-local SGD: gradients allreduced during the warm-up, parameters averaged every ``period`` steps after."""
     import torch.distributed.algorithms.model_averaging.utils as averaging_utils
     from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
@@ -156,6 +114,7 @@ def post_local_sgd(spec: dict, model: torch.nn.Module, world: int, period: int) 
     counter.install(averaging_utils)  # the averager's
     warmup = max(1, spec["warmup_steps"])
     ddp = DDP(model)
+    # post_local_gradient_allreduce=False: the default splits the world with new_subgroups(), which needs CUDA
     state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
                               post_local_gradient_allreduce=False)  # fmt: skip
     ddp.register_comm_hook(state, post_localSGD_hook)

@@ -202,7 +202,7 @@ class ZeroOneArgumentsMixin:
         """Refuse now what would be ignored or refused later, at ``train()``, after the model and data are set up."""
         defaults = {f.name: f.default for f in fields(self)}
         if self.optim_compression == "adamw_torch":
-            # a warning, not an error: a comparison (recipes/compare.py) gives every optimizer the same flags
+            # a warning, not an error: a comparison of optimizers may give every one the same flags
             unused = [n for n in _COMPRESSED_ONLY if getattr(self, n) != defaults[n]]
             if unused:
                 warnings.warn(

@@ -29,6 +29,16 @@ def _scalar_operand(tensors: Sequence[Tensor], value: float) -> float | Tensor:
     return torch.tensor(value, dtype=dtype)
 
 
+def moved(t: Tensor, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """``t.to(device=device, dtype=dtype)``, or ``t`` itself where it has both: no call per tensor when nothing changes.
+
+    A ``.to`` that copies nothing is still a dispatched call, host work a per-tensor loop pays each time.
+    """
+    if (device is None or t.device == torch.device(device)) and (dtype is None or t.dtype == dtype):
+        return t
+    return t.to(device=device, dtype=dtype)
+
+
 def mul_scalar(tensors: Sequence[Tensor], value: float) -> list[Tensor]:
     """``t * value`` for every tensor (new tensors; ``torch._foreach_mul``, see :func:`_scalar_operand`)."""
     tensors = list(tensors)
@@ -117,20 +127,6 @@ def non_finite_flag(t: Tensor) -> Tensor:
 GROUP_ELEMENTS = 1 << 22
 
 
-#: run the stacked forms on the CPU too (the tests set it, to check them against the CPU's forms)
-STACK_ON_CPU = False
-
-
-def stacks_by_shape(device: torch.device) -> bool:
-    """Whether per-tensor 0-dim operands are applied to same-shaped tensors stacked (:func:`shape_groups`).
-
-    On an accelerator a call per tensor is a kernel launch each, which stacking saves. On the CPU
-    a call costs no launch and the stacked copies save nothing, so the CPU keeps one call per
-    tensor. Both give the same bits.
-    """
-    return device.type != "cpu" or STACK_ON_CPU
-
-
 def shape_groups(tensors: Sequence[Tensor], indices: Iterable[int]) -> list[list[int]]:
     """``indices`` split by the shape, dtype and device of their tensors, in first-seen order.
 
@@ -163,15 +159,14 @@ def apply_per_tensor(
 ) -> list[Tensor]:
     """``t * f`` or ``t / f`` (``op``: ``"mul"`` or ``"div"``) for each tensor and its operand.
 
-    In place (returns ``tensors``) or as new tensors. Host numbers, and any operands on the CPU,
-    go in one multi-tensor call. On an accelerator a multi-tensor call with a 0-dim tensor operand
-    per tensor runs tensor by tensor, a kernel launch each: same-shaped tensors are stacked
-    (:func:`shape_groups`) and take their operands in one broadcast call, then are copied back
-    (in place) or handed out as views of the stack. Tensor operands must be float32 or of their
-    tensor's dtype: both forms then compute in the same precision and give the same bits.
+    In place (returns ``tensors``) or as new tensors. Host numbers go in one multi-tensor call. A
+    multi-tensor call with a 0-dim tensor operand per tensor runs tensor by tensor (a kernel launch
+    each on a GPU), so same-shaped tensors are stacked (:func:`shape_groups`) and take their
+    operands in one broadcast call, then are copied back (in place) or handed out as views of the
+    stack. Tensor operands must be float32 or of their tensor's dtype.
     """
     tensors, operands = list(tensors), list(operands)
-    if not tensors or not isinstance(operands[0], Tensor) or not stacks_by_shape(tensors[0].device):
+    if not tensors or not isinstance(operands[0], Tensor):
         fn = getattr(torch, f"_foreach_{op}_" if in_place else f"_foreach_{op}")
         out = fn(tensors, operands)
         return tensors if in_place else list(out)
@@ -225,6 +220,37 @@ def layout_view(flat: Tensor, offset: int, like: Tensor) -> Tensor:
     if _laid_out_row_major(like):
         return piece.view(like.shape)
     return piece.as_strided(like.shape, like.stride())
+
+
+def layout_views(flat: Tensor, offsets: Sequence[int], likes: Sequence[Tensor]) -> list[Tensor]:
+    """:func:`layout_view` of ``flat`` at each offset for each tensor of ``likes``, from one split of ``flat``.
+
+    A slice per tensor would be a call each; the split is one, and only tensors that are not
+    already one-dimensional take a second (their shape). Offsets must not decrease, and the pieces
+    must not overlap.
+    """
+    if not likes:
+        return []
+    sizes, picks, pos = [], [], 0
+    for offset, like in zip(offsets, likes):
+        if offset < pos:
+            raise ValueError(f"layout_views: offset {offset} inside the previous piece (which ends at {pos})")
+        if offset > pos:
+            sizes.append(offset - pos)
+        picks.append(len(sizes))
+        sizes.append(like.numel())
+        pos = offset + like.numel()
+    if pos < flat.numel():
+        sizes.append(flat.numel() - pos)
+    pieces = flat.split(sizes)
+    out = []
+    for i, like in zip(picks, likes):
+        piece = pieces[i]
+        if not _laid_out_row_major(like):
+            out.append(piece.as_strided(like.shape, like.stride()))
+        else:
+            out.append(piece if piece.shape == like.shape else piece.view(like.shape))
+    return out
 
 
 def layout_order(t: Tensor, like: Tensor) -> Tensor:

@@ -240,11 +240,10 @@ def float8_allreduce(
     nb, sb = c, c // FLOAT8_BLOCK  # codes, then one exponent byte per block
     q = 0 if exact is None else lane_floats(exact.numel(), p)
     row = float8_row_bytes(sizes, 0 if exact is None else exact.numel(), p)
-    pieces, blocked = _pieces(sizes)
     padded = torch.zeros(p * c, dtype=torch.float32, device=buffer.device)
     flat = buffer.reshape(-1)
-    for (start, n), at in zip(pieces, blocked):
-        padded[at : at + n] = flat[start : start + n]
+    pieces = list(flat.split([*sizes, flat.numel() - sum(sizes)]))[: len(sizes)]
+    torch._foreach_copy_(_blocked_pieces(padded, sizes), pieces)
     send = _float8_rows(padded, p, row)  # padded is scratch from here on: the copies, then the result
     if q:
         send[:, nb + sb :] = _lane_rows(exact, p, q)
@@ -260,20 +259,21 @@ def float8_allreduce(
     if q:
         _lane_back(exact, gathered[:, nb + sb :])
     result = decode_float8(gathered[:, :nb].reshape(-1), gathered[:, nb : nb + sb].reshape(-1), out=padded)
-    for (start, n), at in zip(pieces, blocked):
-        flat[start : start + n] = result[at : at + n]
+    torch._foreach_copy_(pieces, _blocked_pieces(result, sizes))
     return buffer
 
 
-def _pieces(sizes: Sequence[int]) -> tuple[list[tuple[int, int]], list[int]]:
-    """``(start, numel)`` of each piece in the buffer, and where each starts once pieces are padded to whole blocks."""
-    pieces, blocked, start, at = [], [], 0, 0
+def _blocked_pieces(padded: Tensor, sizes: Sequence[int]) -> list[Tensor]:
+    """Views of where each piece of ``sizes`` elements lies in ``padded``, each piece padded to whole blocks.
+
+    One split of ``padded`` into the pieces and the padding after each, not a slice per piece.
+    """
+    parts, end = [], 0
     for n in sizes:
-        pieces.append((start, n))
-        blocked.append(at)
-        start += n
-        at += -(-n // FLOAT8_BLOCK) * FLOAT8_BLOCK
-    return pieces, blocked
+        parts += [n, -n % FLOAT8_BLOCK]
+        end += n + parts[-1]
+    parts.append(padded.numel() - end)
+    return list(padded.split(parts)[0:-1:2])
 
 
 def _float8_rows(x: Tensor, rows: int, width: int) -> Tensor:

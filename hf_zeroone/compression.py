@@ -216,34 +216,28 @@ def _unpack_signs_elementwise(packed: Tensor, dtype: torch.dtype, out: Tensor | 
 
 
 def _segments(x: Tensor, bounds: Sequence[int]) -> list[Tensor]:
-    return [x[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    """The segments of ``x`` as views, in one call (not a slice each)."""
+    return list(x.split([b - a for a, b in zip(bounds[:-1], bounds[1:])]))
 
 
-#: expand the segment scales element by element on the CPU too, whatever the segments' lengths
-#: (the tests set it, to check that form against the CPU's slice by slice one)
-EXPAND_ON_CPU = False
-#: on an accelerator, expand when the segments hold fewer elements than this on average: expanding
-#: costs a little per element, slicing a few kernel launches per segment, and the two costs meet
-#: near this length (``recipes/bench_kernels.py`` times both)
+#: the segment scales are expanded element by element when the segments hold fewer elements than
+#: this on average: expanding costs a little per element, slicing an operation (on a GPU a kernel
+#: launch) per segment, and the two costs meet near this length (``recipes/bench_kernels.py``
+#: times both)
 EXPAND_BELOW = 1 << 19
 #: per (bounds, device): the segment starts inside the vector, on the device (see _expanded)
 _STARTS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
 _STARTS_KEPT = 1024  # layouts change rarely (DDP's bucket rebuild, a new mask); a bound on the cache
 
 
-def _expands(device: torch.device, bounds: Sequence[int]) -> bool:
+def _expands(bounds: Sequence[int]) -> bool:
     """Whether the segment scales are applied as one element-wise operand (:func:`_expanded`), not by slices.
 
-    On an accelerator an operation per segment is a kernel launch each, and the compressed
-    allreduce applies scales four times: with many short segments (a bucket of biases and norms)
-    the device waits on the host's launches. The expansion is an extra pass over the vector, so
-    it pays only when the segments are short (:data:`EXPAND_BELOW`). On the CPU a slice's
-    operation costs no launch. Both forms give the same bits.
+    An operation per segment is a kernel launch each on a GPU, and the compressed allreduce applies
+    scales four times: with many short segments (a bucket of biases and norms) the device would
+    wait on the host. The expansion is an extra pass over the vector, so it pays only when the
+    segments are short (:data:`EXPAND_BELOW`). Both forms give the same bits.
     """
-    if EXPAND_ON_CPU:
-        return True
-    if device.type == "cpu":
-        return False
     segments = sum(1 for a, b in zip(bounds[:-1], bounds[1:]) if b > a)
     return bounds[-1] < EXPAND_BELOW * segments
 
@@ -305,7 +299,7 @@ def compression_error(x: Tensor, scales: Tensor, bounds: Sequence[int], out: Ten
     ``out`` must not overlap ``x``. The signs are the ones :func:`pack_signs` sends.
     """
     _check_bounds(x, scales, bounds)
-    if _expands(x.device, bounds):
+    if _expands(bounds):
         torch.copysign(_expanded(scales, bounds), x, out=out)
         return torch.sub(x, out, out=out)
     for j, (x_seg, out_seg) in enumerate(zip(_segments(x, bounds), _segments(out, bounds))):
@@ -318,7 +312,7 @@ def decompress(packed: Tensor, scales: Tensor, bounds: Sequence[int], out: Tenso
     """``C[x]`` from its packed signs and segment scales: a new flat float32 tensor, or ``out`` (flat, float32)."""
     out = unpack_signs(packed, out=out).reshape(-1)
     _check_bounds(out, scales, bounds)
-    if _expands(out.device, bounds):
+    if _expands(bounds):
         return out.mul_(_expanded(scales, bounds))
     pairs = [(view, scale) for view, scale in zip(_segments(out, bounds), scales.unbind()) if view.numel()]
     if pairs:

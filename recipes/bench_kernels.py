@@ -166,12 +166,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--scales",
         choices=("default", "slices", "expanded"),
         default="default",
-        help="how the segment scales are applied: the package's choice (on accelerators, expanded per element "
-        "when the segments are short), one operation per segment, or expanded per element (any device)",
+        help="how the segment scales are applied: the package's choice (expanded per element when the segments "
+        "are short), one operation per segment, or expanded per element",
     )
     args = parser.parse_args(argv)
     compression.EXPAND_BELOW = {"default": compression.EXPAND_BELOW, "slices": 0, "expanded": 1 << 62}[args.scales]
-    compression.EXPAND_ON_CPU = args.scales == "expanded"
     device = torch.device(args.device)
     numel = args.numel or (1 << 26 if device.type == "cuda" else 1 << 22)
     if not 0.0 <= args.masked < 1.0:

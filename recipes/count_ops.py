@@ -45,8 +45,17 @@ RUNS = {
 
 
 def _model(n: int) -> torch.nn.Module:
+    """``n`` layers ``Linear(8, 8)``, orthogonal so that activations and gradients keep their norm.
+
+    With torch's default initialisation each layer shrinks its input, and past about 200 layers
+    the output underflows to zero: every gradient is exactly zero, and the optimizers would mask
+    every tensor as never trained, which no real model does.
+    """
     torch.manual_seed(0)
-    return torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(n)))
+    layers = [torch.nn.Linear(8, 8, bias=False) for _ in range(n)]
+    for layer in layers:
+        torch.nn.init.orthogonal_(layer.weight)
+    return torch.nn.Sequential(*layers)
 
 
 def _top_level_aten(prof: torch.profiler.profile) -> int:

@@ -165,13 +165,14 @@ def test_scales_expanded_per_element_give_the_bits_of_the_slice_by_slice_form(cu
     scales[len(scales) // 2] = float("nan")
     packed = pack_signs(x)
     results = []
-    for expand in (False, True):
-        compression.EXPAND_ON_CPU = expand
+    kept = compression.EXPAND_BELOW
+    for below in (0, 1 << 62):  # slices, then expanded
+        compression.EXPAND_BELOW = below
         try:
             error = compression_error(x, scales, bounds, out=torch.empty_like(x))
             results.append((error.view(torch.int32), decompress(packed, scales, bounds).view(torch.int32)))
         finally:
-            compression.EXPAND_ON_CPU = False
+            compression.EXPAND_BELOW = kept
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
@@ -226,17 +227,16 @@ def test_layout_with_element_mask():
         ChunkLayout.from_mask(10, 2, torch.ones(3, dtype=torch.bool))
 
 
-def test_accelerators_expand_the_scales_only_for_short_segments():
+def test_the_scales_are_expanded_only_for_short_segments():
     """Per segment, a launch costs more than expanding a short segment and less than a long one."""
     from hf_zeroone.compression import EXPAND_BELOW, _expands
 
-    meta, cpu = torch.device("meta"), torch.device("cpu")
     short = tuple(range(0, 64 * 1000 + 1, 1000))  # 64 segments of 1,000 elements (biases, norms)
     long = (0, EXPAND_BELOW, 2 * EXPAND_BELOW)  # two segments of EXPAND_BELOW elements
-    assert _expands(meta, short) and not _expands(cpu, short)
-    assert not _expands(meta, long)
+    assert _expands(short)
+    assert not _expands(long)
     # empty segments own no element and need no launch: they do not count
-    assert not _expands(meta, (0, 0, 0, 0, EXPAND_BELOW))
+    assert not _expands((0, 0, 0, 0, EXPAND_BELOW))
 
 
 @pytest.mark.parametrize("form", ["numpy", "table", "elementwise"])

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "count_ops.py"
 
@@ -25,3 +26,16 @@ def test_count_ops_prints_a_row_per_step_kind():
     assert rows[("DDP + AdamW(foreach=True)", "whole step")][1] == "0"
     # a compressed step dispatches more than AdamW's whole step: its messages, compression and update
     assert int(rows[("1-bit Adam", "onebit_momentum")][1]) > 0, proc.stdout
+
+
+def test_every_tensor_of_the_counted_model_gets_a_non_zero_gradient():
+    """A model whose gradients vanish would count the masks of untrained tensors, not a training step."""
+    sys.path.insert(0, str(RECIPE.parent))
+    try:
+        from count_ops import _model
+    finally:
+        sys.path.remove(str(RECIPE.parent))
+    model = _model(400)
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(0))).square().mean().backward()
+    zero = [i for i, p in enumerate(model.parameters()) if not bool((p.grad != 0).all())]
+    assert not zero, f"{len(zero)} of 400 tensors have a zero gradient element, the first at layer {zero[0]}"

@@ -38,7 +38,7 @@ def no_host_reads(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, name, guarded)
     monkeypatch.setattr(comm_module, "_HOST_BRANCH_ON_CPU", False)  # the accelerator path, on the CPU
-    monkeypatch.setattr(compression, "EXPAND_ON_CPU", True)
+    monkeypatch.setattr(compression, "EXPAND_BELOW", 1 << 62)  # the scales expanded, whatever the segments
     return active
 
 
@@ -75,7 +75,7 @@ def _both_paths(rank, world):
     results = []
     for host_branch in (True, False):
         cm._HOST_BRANCH_ON_CPU = host_branch
-        compression.EXPAND_ON_CPU = not host_branch  # the accelerator path expands the segment scales
+        compression.EXPAND_BELOW = 1 << 62 if not host_branch else 0  # scales expanded, or by slices
         comm = Communicator()
         results.append(_rounds(comm, world, rank, 40))
         comm.close()

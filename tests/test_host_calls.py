@@ -4,8 +4,7 @@ On a GPU every torch call on a 0-dim per-tensor value is a kernel launch and som
 host work. These functions work on one vector for all tensors (norms, norm-proxy factors and
 clipping fractions); the tests count the torch functions they call (reads of shapes, sizes and
 dtypes left out), for a few tensors and for many, and check that the count does not grow with the
-tensor count. They also pin the results against the per-tensor formulas, bit for bit, and the
-accelerator's forms (forced on the CPU) against the CPU's.
+tensor count. They also pin the results against the per-tensor formulas, bit for bit.
 """
 
 from __future__ import annotations
@@ -50,9 +49,9 @@ def test_norms_and_norm_proxies_make_as_many_calls_for_many_tensors_as_for_few()
         (F.local_sq_norms, lambda n: (_tensors(n),)),
         (float32_norms, lambda n: (_tensors(n),)),
         (F.norm_proxy_factors, lambda n: (_tensors(n), torch.rand(n))),
-    ):
-        few, many = _calls(fn, *make(6)), _calls(fn, *make(120))
-        assert many <= few + 2, f"{fn.__name__}: {few} torch calls for 6 tensors, {many} for 120"
+    ):  # 30 tensors: each of the 5 shapes more than once (a stack per shape)
+        few, many = _calls(fn, *make(30)), _calls(fn, *make(120))
+        assert many <= few + 2, f"{fn.__name__}: {few} torch calls for 30 tensors, {many} for 120"
 
 
 def test_the_vector_forms_give_the_per_tensor_results_bit_for_bit():
@@ -94,49 +93,40 @@ def test_sample_statistics_means_are_each_tensors_mean_denominator():
         assert count == max(active, 1) and bool(flag) == (active < d.numel())
 
 
-def test_the_accelerator_form_of_the_active_counts_gives_the_cpu_counts_in_a_few_calls(monkeypatch):
-    """On an accelerator the idle counts of :func:`sample_statistics` are one comparison per shape.
+def test_the_active_counts_are_the_per_tensor_counts_in_a_few_calls():
+    """The idle counts of :func:`sample_statistics` are one comparison per shape, with a loop's integers.
 
     They are rebuilt on every step where ``v`` moves (exact steps of several ranks, 0/1 Adam's
     variance updates).
     """
-    import hf_zeroone._tensors as T
+    from hf_zeroone.optim._grad_scale import idle_floors
 
     dens = [t.abs() for t in _tensors(40, seed=4)] + [torch.tensor(0.5), torch.tensor(0.0)]  # 0-dim too
     dens[1], dens[2] = dens[1].bfloat16(), dens[2].double()  # compared in their own dtype
     for d in dens[:20]:
         d.view(-1)[:1] = 0.0  # idle elements
-    results = {}
-    for forced in (False, True):
-        monkeypatch.setattr(T, "STACK_ON_CPU", forced)
-        results[forced] = sample_statistics(dens, 1e-8)
-    for cpu, accelerator in zip(results[False], results[True]):
-        assert cpu.dtype == accelerator.dtype and torch.equal(cpu, accelerator)
-    assert 0 < int(results[True][2].sum()) < len(dens)
+    means, counts, idle = sample_statistics(dens, 1e-8)
+    want = torch.stack([d.ge(f).sum() for d, f in zip(dens, idle_floors(means, 1e-8).unbind())])
+    assert torch.equal(counts, want.float().clamp(min=1.0))
+    assert torch.equal(idle, want < torch.tensor([d.numel() for d in dens]))
+    assert 0 < int(idle.sum()) < len(dens)
 
-    monkeypatch.setattr(T, "STACK_ON_CPU", True)
     few, many = (_calls(sample_statistics, [t.abs() for t in _tensors(n, seed=5)]) for n in (6, 120))
     assert many <= few + 2, f"{few} torch calls for 6 tensors, {many} for 120"
 
 
-def test_the_accelerator_forms_of_the_momentum_lerps_give_the_cpu_forms_bits_in_a_few_calls(monkeypatch):
-    """On an accelerator the two lerp loops are multi-tensor calls (checked here on the CPU, forced)."""
-    import hf_zeroone._tensors as T
-
+def test_the_momentum_lerps_give_the_per_tensor_bits_in_a_few_calls():
+    """The two lerp loops of 1-bit Adam's momentum are multi-tensor calls, with a loop's bits."""
     ms, gs, outs = _tensors(30, seed=5), _tensors(30, seed=6), _tensors(30, seed=7)
     ms[4], outs[9] = ms[4].bfloat16(), outs[9].double()  # mixed dtypes keep the per-tensor form
-    results = {}
-    for forced in (False, True):
-        monkeypatch.setattr(T, "STACK_ON_CPU", forced)
-        messages = [torch.empty_like(o) for o in outs]
-        F.momentum_messages(ms, gs, 0.9, messages)
-        implied = [o.clone() for o in outs]
-        F.implied_gradients(ms, implied, 0.9)
-        results[forced] = messages + implied
-    for cpu, accelerator in zip(results[False], results[True]):
-        assert cpu.dtype == accelerator.dtype and torch.equal(cpu, accelerator)
+    messages = [torch.empty_like(o) for o in outs]
+    F.momentum_messages(ms, gs, 0.9, messages)
+    implied = [o.clone() for o in outs]
+    F.implied_gradients(ms, implied, 0.9)
+    for m, g, o, message, got in zip(ms, gs, outs, messages, implied):
+        assert torch.equal(message, m.to(o.dtype).lerp(g.to(o.dtype), 0.1))
+        assert torch.equal(got, torch.lerp(m.to(o.dtype), o, 1.0 / (1.0 - 0.9)))
 
-    monkeypatch.setattr(T, "STACK_ON_CPU", True)
     for fn, make in (
         (F.momentum_messages, lambda n: (_tensors(n), _tensors(n, 1), 0.9, _tensors(n, 2))),
         (F.implied_gradients, lambda n: (_tensors(n), _tensors(n, 1), 0.9)),
@@ -145,29 +135,23 @@ def test_the_accelerator_forms_of_the_momentum_lerps_give_the_cpu_forms_bits_in_
         assert many <= few + 2, f"{fn.__name__}: {few} torch calls for 6 tensors, {many} for 120"
 
 
-def test_per_tensor_operands_applied_by_shape_give_the_multi_tensor_bits(monkeypatch):
-    """The accelerator's stacked form of ``t * f`` / ``t / f`` equals the multi-tensor call, in place or not."""
+def test_per_tensor_operands_applied_by_shape_give_the_multi_tensor_bits():
+    """The stacked form of ``t * f`` / ``t / f`` equals the multi-tensor call, in place or not."""
     import hf_zeroone._tensors as T
 
     gen = torch.Generator().manual_seed(8)
     tensors = _tensors(25, seed=9)
     tensors[3], tensors[8] = tensors[3].bfloat16(), tensors[8].bfloat16()  # rounded operands in their dtype
     operands = [torch.rand((), generator=gen) * 3 + 0.1 for _ in tensors]
-    results = {}
-    for forced in (False, True):
-        monkeypatch.setattr(T, "STACK_ON_CPU", forced)
-        got = []
-        for op in ("mul", "div"):
-            copies = [t.clone() for t in tensors]
-            assert T.apply_per_tensor(op, copies, operands, in_place=True) is not None
-            got += copies
-            got += T.apply_per_tensor(op, tensors, operands, in_place=False)
-        results[forced] = got
-    for cpu, accelerator in zip(results[False], results[True]):
-        assert cpu.dtype == accelerator.dtype and torch.equal(cpu, accelerator)
+    for op in ("mul", "div"):
+        copies = [t.clone() for t in tensors]
+        assert T.apply_per_tensor(op, copies, operands, in_place=True) is not None
+        want = getattr(torch, f"_foreach_{op}")(tensors, operands)
+        for got in (copies, T.apply_per_tensor(op, tensors, operands, in_place=False)):
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and torch.equal(a, b)
 
-    monkeypatch.setattr(T, "STACK_ON_CPU", True)
-    numbers = [0.5 + i / 7 for i in range(len(tensors))]  # host numbers: one multi-tensor call everywhere
+    numbers = [0.5 + i / 7 for i in range(len(tensors))]  # host numbers: one multi-tensor call
     divided = T.apply_per_tensor("div", tensors, numbers, in_place=False)
     for got, want in zip(divided, torch._foreach_div(tensors, numbers)):
         assert torch.equal(got, want)

@@ -83,13 +83,10 @@ def _reference_denominators(vs, c2, eps, factors):
     return out
 
 
-@pytest.mark.parametrize("stacked", [False, True])
-def test_a_group_mixing_dtypes_gets_each_tensors_factor_in_its_own_dtype(monkeypatch, stacked):
+def test_a_group_mixing_dtypes_gets_each_tensors_factor_in_its_own_dtype():
     """A bf16 tensor first must not round an fp32 tensor's variance factor to bf16 (nor the reverse)."""
-    import hf_zeroone._tensors as T
     from hf_zeroone.optim import _functional as F
 
-    monkeypatch.setattr(T, "STACK_ON_CPU", stacked)
     g = torch.Generator().manual_seed(3)
     vs = [torch.rand(4, 3, generator=g).to(torch.bfloat16), torch.rand(4, 3, generator=g), torch.rand(5, generator=g)]
     factors = [torch.tensor(1.2345678), torch.tensor(0.7654321), torch.tensor(2.3456789)]
@@ -107,15 +104,14 @@ def _reference_scale_samples(grads, dens, means, counts, idle, idle_below):
     return torch.stack(q).square() / counts
 
 
-@pytest.mark.parametrize(("stacked", "group_elements"), [(False, 1 << 22), (True, 1 << 22), (True, 40)])
-def test_stacked_per_tensor_operands_give_the_tensor_by_tensor_bits(monkeypatch, stacked, group_elements):
+@pytest.mark.parametrize("group_elements", [1 << 22, 40])
+def test_stacked_per_tensor_operands_give_the_tensor_by_tensor_bits(monkeypatch, group_elements):
     """The variance factors and the idle thresholds, applied one call per shape, give a loop over tensors' bits."""
     import hf_zeroone._tensors as T
     from hf_zeroone.optim import _functional as F
     from hf_zeroone.optim import _grad_scale as GS
 
     monkeypatch.setattr(T, "GROUP_ELEMENTS", group_elements)
-    monkeypatch.setattr(T, "STACK_ON_CPU", stacked)
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (7, 5), (3,), (7, 5), (3,), (2, 2, 2), (1,), (0,), (7, 5)]
     vs = [torch.rand(s, generator=g) ** 4 for s in shapes]

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import layout_order, layout_view
+from hf_zeroone._tensors import layout_order, layout_view, layout_views
 from hf_zeroone.compression import ChunkLayout
 
 __all__ = [
@@ -82,16 +82,16 @@ class FlatBuffers:
 
     def views(self, flat: Tensor) -> list[Tensor]:
         """Slices of ``flat`` shaped like each parameter, in DDP's order (:func:`layout_view`)."""
-        return [layout_view(flat, o, p) for p, o in zip(self.params, self.offsets)]
+        return layout_views(flat, self.offsets, self.params)
 
 
 def consecutive_views(params: Sequence[Tensor], flat: Tensor) -> list[Tensor]:
     """Consecutive slices of ``flat`` shaped like each of ``params``, each in DDP's order (:func:`layout_view`)."""
-    out, offset = [], 0
+    offsets, offset = [], 0
     for p in params:
-        out.append(layout_view(flat, offset, p))
+        offsets.append(offset)
         offset += p.numel()
-    return out
+    return layout_views(flat, offsets, params)
 
 
 def split_in_buckets(items: Sequence[tuple[Any, Tensor]], cap: int) -> list[list[tuple[Any, Tensor]]]:

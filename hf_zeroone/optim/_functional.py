@@ -40,7 +40,6 @@ from hf_zeroone._tensors import (
     mul_scalar_,
     per_tensor_operand,
     shape_groups,
-    stacks_by_shape,
 )
 
 __all__ = [
@@ -108,15 +107,6 @@ def denominators(
     if factors is None or all(f is None for f in factors):
         out = sqrt_of(range(len(exp_avg_sqs)))
         div_scalar_(out, math.sqrt(c2))
-    elif not stacks_by_shape(exp_avg_sqs[0].device):  # one multi-tensor call, tensor by tensor
-        out = sqrt_of(range(len(exp_avg_sqs)))
-        plain = [d for d, f in zip(out, factors) if f is None]
-        scaled = [(d, f) for d, f in zip(out, factors) if f is not None]
-        multipliers = root_multipliers([f for _, f in scaled], c2)
-        if plain:
-            div_scalar_(plain, math.sqrt(c2))
-        # each tensor's multiplier rounded to its own dtype, as the stacked form does (a group may mix them)
-        torch._foreach_mul_([d for d, _ in scaled], as_dtypes(multipliers.unbind(), [d for d, _ in scaled]))
     else:
         out: list[Tensor] = [None] * len(exp_avg_sqs)  # type: ignore[list-item]
         plain = [i for i, f in enumerate(factors) if f is None]
@@ -230,22 +220,18 @@ def momentum_messages(
 ) -> None:
     """``out = beta1 * m + (1 - beta1) * g`` for every triple (1-bit Adam's message), as the update computes it.
 
-    On the CPU one pass per tensor (``torch.lerp(..., out=)``); on an accelerator, where a call per
-    tensor is a kernel launch, a copy of ``m`` and a lerp in place, two multi-tensor calls for all
-    tensors of one dtype: the same operation, so the same bits.
+    A copy of ``m`` and a lerp in place: two multi-tensor calls for the tensors whose three dtypes
+    agree, the same operation as the update's, so the same bits.
     """
     triples = list(zip(exp_avgs, grads, outs))
     plain = [(m, g, out) for m, g, out in triples if m.dtype == g.dtype == out.dtype]
-    mixed = [(m, g, out) for m, g, out in triples if not m.dtype == g.dtype == out.dtype]
-    if plain and stacks_by_shape(plain[0][2].device):
+    if plain:
         chosen = [out for _, _, out in plain]
         torch._foreach_copy_(chosen, [m for m, _, _ in plain])
         torch._foreach_lerp_(chosen, [g for _, g, _ in plain], 1.0 - beta1)
-        plain = []
-    for m, g, out in plain:
-        torch.lerp(m, g, 1.0 - beta1, out=out)  # one pass; the same operation as the update
-    for m, g, out in mixed:
-        out.copy_(m).lerp_(g.to(out.dtype), 1.0 - beta1)
+    for m, g, out in triples:
+        if not m.dtype == g.dtype == out.dtype:
+            out.copy_(m).lerp_(g.to(out.dtype), 1.0 - beta1)
 
 
 def to_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: Tensor) -> None:
@@ -345,17 +331,13 @@ def implied_gradients(exp_avgs: Sequence[Tensor], combined: Sequence[Tensor], be
     """Turn each combined momentum ``m'`` into the gradient it implies, in place.
 
     ``g = (m' - beta1 * m) / (1 - beta1)``, so that ``beta1 * m + (1 - beta1) * g == m'``; computed in
-    one pass as ``m + (m' - m) / (1 - beta1)`` (a lerp from ``m`` past ``m'``). On an accelerator
-    the lerps of all tensors are one multi-tensor call into new tensors, copied back in one more
-    (a kernel launch per tensor saved, for a transient copy of the values): the same bits.
+    one pass as ``m + (m' - m) / (1 - beta1)`` (a lerp from ``m`` past ``m'``): the lerps of all
+    tensors are one multi-tensor call into new tensors, copied back in one more.
     """
     combined = list(combined)
-    if combined and stacks_by_shape(combined[0].device):
+    if combined:
         starts = as_dtypes(exp_avgs, combined)
         torch._foreach_copy_(combined, torch._foreach_lerp(starts, combined, 1.0 / (1.0 - beta1)))
-        return
-    for m, out in zip(exp_avgs, combined):
-        torch.lerp(m.to(out.dtype), out, 1.0 / (1.0 - beta1), out=out)
 
 
 def local_sq_norms(grads: Sequence[Tensor | None], norms: Tensor | None = None) -> Tensor:

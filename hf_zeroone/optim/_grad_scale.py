@@ -61,7 +61,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import joined, mul_scalar_, per_tensor_operand, shape_groups, stacks_by_shape
+from hf_zeroone._tensors import joined, moved, mul_scalar_, per_tensor_operand, shape_groups
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._scalar_vectors import adopt, as_vector
 from hf_zeroone.optim._step_kind import StepKind
@@ -164,11 +164,8 @@ def sample_statistics(dens: Sequence[Tensor], eps: float = 0.0) -> tuple[Tensor,
 def _active_counts(dens: list[Tensor], floors: Tensor) -> Tensor:
     """Per tensor, how many of its ``d`` are at least its floor (int64), compared in ``d``'s dtype.
 
-    On the CPU one comparison per tensor; on an accelerator one per shape (:func:`shape_groups`),
-    the same integers in a few launches instead of two per tensor.
+    One comparison per shape (:func:`shape_groups`): a few calls for all tensors, not two per tensor.
     """
-    if not stacks_by_shape(dens[0].device):
-        return torch.stack([d.ge(floor).sum() for d, floor in zip(dens, floors.unbind())])
     counts: list[Tensor] = [None] * len(dens)  # type: ignore[list-item]
     each_floor = floors.unbind()
     for group in shape_groups(dens, range(len(dens))):
@@ -201,12 +198,8 @@ def scale_samples(
     """
     grads, dens = F.as_dtype(grads, torch.float32), list(dens)
     floors = idle_floors(means, eps)
-    if not dens or not stacks_by_shape(dens[0].device):  # the CPU: one masked fill per tensor
-        ratios = list(torch._foreach_div(grads, dens))
-        for i, (r, d, floor) in enumerate(zip(ratios, dens, floors.unbind())):
-            if idle is None or idle[i]:
-                r.masked_fill_(d < floor, 0.0)
-        return torch.stack(torch._foreach_norm(ratios)).square_().div_(counts)
+    if not dens:
+        return torch.zeros(0, dtype=torch.float32, device=means.device)
     masked = [i for i in range(len(grads)) if idle is None or idle[i]]
     unmasked = [i for i in range(len(grads)) if not (idle is None or idle[i])]
     ratios: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
@@ -306,7 +299,7 @@ class GradientScale:
             kept = [self._kept(p, v, handed, kept_fractions) for p, v, _, handed in taken]
             if any(k is not None for k in kept):
                 ones = torch.ones((), dtype=torch.float32, device=device)
-                q = q * torch.stack([ones if k is None else k.to(device) for k in kept]).square()
+                q = q * torch.stack([ones if k is None else moved(k, device) for k in kept]).square()
             self._update(group, [state_of(p) for p, _, _, _ in taken], q, schedule, steps=1)
         if local:
             schedule["scale_pending_steps"] = schedule.get("scale_pending_steps", 0) + 1
@@ -385,8 +378,8 @@ class GradientScale:
             both = [(p, st) for p, st in zip(params, states) if p in samples and p in averaged]
             if both:  # rho <- decay rho + (1 - decay) local / averaged, as one vector for all tensors
                 device = both[0][0].device
-                local = torch.stack([samples[p][0].to(device) for p, _ in both])
-                ratio = local / torch.stack([averaged[p].to(device) for p, _ in both]).clamp(min=_TINY)
+                local = torch.stack([moved(samples[p][0], device) for p, _ in both])
+                ratio = local / torch.stack([moved(averaged[p], device) for p, _ in both]).clamp(min=_TINY)
                 # no measurement, no excess (1): where there is no gradient anywhere (a tensor the
                 # loss does not reach; 0 would divide later samples into 0/0, and a local sample is
                 # never below the averaged one: the mean of squares bounds the square of the mean),

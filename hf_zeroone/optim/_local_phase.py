@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import all_finite
+from hf_zeroone._tensors import all_finite, moved
 from hf_zeroone.optim._functional import as_dtypes, by_group
 from hf_zeroone.optim._step_kind import StepKind
 
@@ -117,7 +117,7 @@ def per_lr_units(
         return lr_sums
     device = next(f.device for f in scale_factors if f is not None)
     ones = torch.ones((), dtype=torch.float32, device=device)
-    factors = torch.stack([ones if f is None else f.to(torch.float32) for f in scale_factors])
+    factors = torch.stack([ones if f is None else moved(f, dtype=torch.float32) for f in scale_factors])
     return list((torch.tensor(lr_sums, dtype=torch.float32, device=device) / factors.sqrt()).unbind())
 
 

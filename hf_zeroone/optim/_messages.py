@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import apply_per_tensor, float32_norms, layout_order
+from hf_zeroone._tensors import apply_per_tensor, float32_norms, layout_order, moved
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _grad_scale, _local_phase, _masks
 from hf_zeroone.optim._grad_scale import kept_fraction, norm_left
@@ -197,7 +197,7 @@ class Messages:
         if not parts:
             return None
         device = next(iter(params)).device
-        return torch.cat([t.to(device=device, dtype=torch.float32) for t in parts])
+        return torch.cat([moved(t, device, torch.float32) for t in parts])
 
     def finish(
         self, kind: StepKind, params: Sequence[Tensor], views: Sequence[Tensor], lane: Tensor | None,
@@ -267,7 +267,7 @@ class Messages:
         if all(d is None for d in divisors):
             return local_mean
         one = torch.ones((), dtype=local_mean.dtype, device=local_mean.device)  # stacked on the device: no host copy
-        return local_mean / torch.stack([one if d is None else d.to(local_mean.device) for d in divisors])
+        return local_mean / torch.stack([one if d is None else moved(d, local_mean.device) for d in divisors])
 
     def _noise_excesses(self, params: Sequence[Tensor]) -> list[Tensor | None]:
         """Per parameter, its local gradients' noise excess ``rho`` (at least 1), ``None`` where none was measured.
@@ -349,7 +349,7 @@ class Messages:
             if handed_norm is not None:  # an implied gradient, not a local one (hand_on_local_gradients)
                 measured.append(i)
                 handed.append(handed_norm)
-            divisors[i] = factor.to(value.dtype)
+            divisors[i] = moved(factor, dtype=value.dtype)
         if measured:  # the norms clipping left over the norms handed on, as one vector for all tensors
             clipped = norm_left(float32_norms([values[i] for i in measured]), torch.stack(handed).to(torch.float32))
             chosen = [params[i] for i in measured]
@@ -368,7 +368,7 @@ class Messages:
         if not pending:
             return
         home = pending[0][1].device
-        fractions = torch.cat([f.to(home) for _, f in pending])
+        fractions = torch.cat([moved(f, home) for _, f in pending])
         spiked = fractions.lt(_SPIKE_CLIP)
         if not bool(spiked.any()):
             return

@@ -398,20 +398,20 @@ class Communicator:
                 in place, exactly, in the same two collectives.
 
         Returns:
-            A future of a float32 tensor of ``layout.padded`` elements (written into ``buffer``'s
-            memory, or new with one rank), identical on every rank, zero on masked elements, all
-            NaN if any rank's input was not finite.
+            A future of a float32 tensor of ``layout.padded`` elements, written into ``buffer``'s
+            memory (views of ``buffer`` see it), identical on every rank, zero on masked elements,
+            all NaN if any rank's input was not finite.
         """
         self._check_compressed_args(buffer, worker_error, server_error, layout)
         if exact is not None and (exact.dtype != torch.float32 or not exact.is_contiguous()):
             raise ValueError(f"exact must be a contiguous float32 tensor, got {exact.dtype}")
         if not self.is_distributed:
             # One rank: nothing to average, nothing to compress.
-            return self._submit(lambda: buffer * layout.mask)
+            return self._submit(lambda: buffer.mul_(layout.mask))
         if layout.padded == 0:
             if exact is not None:
                 self.allreduce_mean_async(exact)
-            return self._submit(lambda: buffer.new_zeros(0))
+            return self._submit(lambda: buffer)
         lane = 0 if exact is None else exact.numel()
         p = self.world_size
         w = layout.chunk_bytes + SCALE_BYTES * (layout.segments_per_chunk + lane_floats(lane, p))

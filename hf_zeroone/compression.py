@@ -245,9 +245,10 @@ def _expands(bounds: Sequence[int]) -> bool:
 def _expanded(scales: Tensor, bounds: Sequence[int]) -> Tensor:
     """``scales[j]`` at every element of segment ``j``: a flat tensor of ``bounds[-1]`` elements.
 
-    Three kernels whatever the number of segments: the positions, each one's segment (a sorted
-    search among the segment starts) and a gather of the scales. An empty segment owns no
-    element. The starts reach the device once per layout, through pinned memory (no host wait).
+    A few operations whatever the number of segments: a 1 at each segment start (an empty
+    segment's start adds to the next one's), a running sum that gives each element its
+    segment's index, and a gather of the scales. Linear in the elements on every device. The
+    starts reach the device once per layout, through pinned memory (no host wait).
     """
     key = (tuple(bounds), scales.device)
     dtype = torch.int32 if bounds[-1] < 2**31 else torch.int64
@@ -255,15 +256,13 @@ def _expanded(scales: Tensor, bounds: Sequence[int]) -> Tensor:
     if starts is None:
         if len(_STARTS) >= _STARTS_KEPT:
             _STARTS.clear()
-        host = torch.tensor(bounds[1:-1], dtype=dtype)
+        host = torch.tensor(bounds[1:-1], dtype=torch.int64)
         if scales.device.type == "cuda":
             host = host.pin_memory()
         starts = _STARTS[key] = host.to(scales.device, non_blocking=True)
-    # the positions are freed before the gather allocates: at most twice the bytes of the result
-    positions = torch.arange(bounds[-1], dtype=dtype, device=starts.device)
-    index = torch.searchsorted(starts, positions, right=True, out_int32=dtype == torch.int32)
-    del positions
-    return scales.index_select(0, index)
+    index = torch.zeros(bounds[-1] + 1, dtype=dtype, device=scales.device)  # + 1: starts of empty last segments
+    index.index_add_(0, starts, torch.ones((), dtype=dtype, device=scales.device).expand(starts.numel()))
+    return scales.index_select(0, index.cumsum_(0)[:-1])
 
 
 def _check_bounds(x: Tensor, scales_or_counts: Tensor, bounds: Sequence[int]) -> None:

@@ -176,7 +176,9 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     flat = opt.flat_cache.get(params)
     message, n = flat.new_message(), flat.layout.numel
     message[n:].zero_()
-    opt.messages.write(kind, params, grads, flat.views(message))
+    # the compressed allreduce returns its result in the message's memory: these views serve both
+    views = flat.views(message)
+    opt.messages.write(kind, params, grads, views)
     # Exactly averaged beside the 1-bit message, in the same two collectives: on 1-bit momentum
     # steps the local squared norms (gradient-sized norms for clipping) and the gradient's scale
     # (hf_zeroone.optim._grad_scale); on every 1-bit step the flags of masked rows that moved.
@@ -189,7 +191,7 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     # communicator's, and the future it completes is CUDA-aware like the communicator's.
     def to_gradient(f: torch.futures.Future) -> Tensor:
         combined = f.wait()
-        opt.messages.finish(kind, params, flat.views(combined), lane)
+        opt.messages.finish(kind, params, views, lane)
         result = combined[:n]
         if scale is not None:  # scaled again: the GradScaler unscales p.grad before step()
             result = result.mul(scale.to(device=result.device, dtype=result.dtype))

@@ -401,3 +401,20 @@ def test_a_loopback_mean_is_the_input_every_simulated_rank_sends():
         t = torch.tensor([1.0, -3.0, 0.25])
         assert torch.equal(comm.allreduce_mean(t.clone()), t)
         comm.close()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_compressed_result_is_written_into_the_message(world):
+    """Views of the message see the result: the DDP hook and ``step()`` read it through them (one rank too)."""
+    comm = Communicator(None) if world == 1 else Communicator._loopback(world, threaded=False)
+    keep = torch.ones(21, dtype=torch.bool)
+    keep[3] = False
+    layout = ChunkLayout.from_mask(21, world, keep)
+    buf = torch.zeros(layout.padded)
+    buf[:21] = torch.randn(21, generator=torch.Generator().manual_seed(0))
+    view = buf[:21]
+    we, se = torch.zeros(layout.padded), torch.zeros(layout.chunk)
+    result = comm.compressed_allreduce(buf, we, se, layout)
+    assert result.data_ptr() == buf.data_ptr()
+    assert torch.equal(view, result[:21]) and view[3] == 0.0  # masked: zero in the result, seen in the view
+    comm.close()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_zeroone._tensors import moved
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _local_phase, _masks
 from hf_zeroone.optim._flat import consecutive_views, split_in_buckets
@@ -52,20 +53,22 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
             dtype = opt.exact_message_dtype(params[0].dtype)
             message = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
             views = functools.partial(consecutive_views, params)
-        opt.messages.write(kind, params, grads, views(message))
+        message_views = views(message)
+        opt.messages.write(kind, params, grads, message_views)
         lane = opt.messages.lane(kind, params, grads)
-        if kind.compressed:
-            combined = opt.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout, lane)
+        if kind.compressed:  # the result comes back in the message's memory, and so in its views
+            opt.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout, lane)
+            combined_views = message_views
         else:
-            combined = opt.average_exact_async(message, params, lane).wait()
-        del message  # a compressed result lives in its memory (freed with the result, before the next bucket)
-        combined_views = views(combined)
+            combined_views = views(opt.average_exact_async(message, params, lane).wait())
+        del message, message_views  # a compressed result lives in its memory (freed with the views)
         opt.messages.finish(kind, params, combined_views, lane)
         if kind is StepKind.ONEBIT_MOMENTUM:
             # as the hook's result would be after an unclipped step: handed back in the parameter's
             # dtype (DDP's bucket), then the norm proxy undone; both paths then agree bit for bit.
             # Kept in the combined buffer where the dtypes agree (fp32 parameters).
-            undone = opt.messages.undo_norm_proxies(params, [v.to(p.dtype) for p, v in zip(params, combined_views)])
+            handed = [moved(v, dtype=p.dtype) for p, v in zip(params, combined_views)]
+            undone = opt.messages.undo_norm_proxies(params, handed)
             combined_views = [v.copy_(u) if u.dtype == v.dtype else u for v, u in zip(combined_views, undone)]
         results += [(group, p, view) for (group, p), view in zip(bucket, combined_views)]
     return results

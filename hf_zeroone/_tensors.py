@@ -26,7 +26,7 @@ def _scalar_operand(tensors: Sequence[Tensor], value: float) -> float | Tensor:
     dtype = tensors[0].dtype
     if dtype not in (torch.float32, torch.float64) or any(t.dtype != dtype for t in tensors):
         return value
-    return torch.tensor(value, dtype=dtype)
+    return torch.full((), value, dtype=dtype)  # one call (torch.tensor makes four)
 
 
 def moved(t: Tensor, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Tensor:
@@ -282,3 +282,22 @@ def joined(elements: Sequence[Tensor]) -> Tensor:
         ):
             return base.narrow(0, start - base.storage_offset(), n)
     return torch.stack(list(elements))
+
+
+def bit_checksum(tensors: list[Tensor], device: torch.device | str | None = None) -> Tensor:
+    """Two int64 sums of the tensors' bit patterns (plain and position-weighted): equal iff bit-equal.
+
+    Exact integer arithmetic (sums wrap modulo 2^64 the same way in any order), so any flipped
+    bit changes it (up to astronomically unlikely collisions); the weighted sum also catches
+    tensors that swapped places. Computed on the tensors' device (no host read there); the
+    result is put on ``device`` (default: the first tensor's device, the CPU for none).
+    """
+    home = tensors[0].device if tensors else torch.device("cpu")
+    total = torch.zeros(2, dtype=torch.int64, device=home)
+    for i, t in enumerate(tensors):
+        t = t.detach().contiguous().reshape(-1)
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        s = t.view(bits).sum(dtype=torch.int64).to(home)
+        total[0] += s
+        total[1] += s * (i + 1)
+    return total if device is None else total.to(device)

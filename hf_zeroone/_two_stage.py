@@ -44,16 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone.compression import (
-    FLOAT8_BLOCK,
-    ChunkLayout,
-    compression_error,
-    decode_float8,
-    decompress,
-    encode_float8_into,
-    pack_signs,
-    segment_scales,
-)
+from hf_zeroone.compression import ChunkLayout, compression_error, decompress, pack_signs, segment_scales
+from hf_zeroone.float8 import FLOAT8_BLOCK, decode_float8, encode_float8_into
 
 __all__ = ["SCALE_BYTES", "compressed_allreduce", "float8_allreduce", "float8_row_bytes", "lane_floats"]
 
@@ -219,7 +211,7 @@ def float8_allreduce(
     """Average float32 ``buffer`` (flat) over ranks in place, sent as float8 messages; rank ``k`` of ``p``.
 
     ``buffer`` holds pieces of ``sizes`` elements end to end (the parameters of a bucket). The two
-    collectives of the 1-bit allreduce, with :func:`~hf_zeroone.compression.encode_float8` in
+    collectives of the 1-bit allreduce, with :func:`~hf_zeroone.float8.encode_float8` in
     place of the signs and no error feedback (an exact step keeps no state between calls):
 
     1. worker: each piece is zero-padded to whole blocks (so an element's rounding depends on its
@@ -279,7 +271,7 @@ def _blocked_pieces(padded: Tensor, sizes: Sequence[int]) -> list[Tensor]:
 def _float8_rows(x: Tensor, rows: int, width: int) -> Tensor:
     """``rows`` rows of ``width`` bytes: each row's chunk of ``x`` encoded, codes then exponents (the rest empty).
 
-    ``x`` is overwritten (see :func:`~hf_zeroone.compression.encode_float8_into`); the codes go
+    ``x`` is overwritten (see :func:`~hf_zeroone.float8.encode_float8_into`); the codes go
     straight into the rows.
     """
     c = x.numel() // rows

@@ -24,16 +24,15 @@ and NaN propagation on the device, with exactly the results a branch on the host
 from __future__ import annotations
 
 import atexit
-import math
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hf_zeroone._accounting import CommStats, fp32_allreduce_bytes
 from hf_zeroone._executor import (
     _Collectives,
     _dedicated_collectives,
@@ -42,78 +41,11 @@ from hf_zeroone._executor import (
     collective_device,
     stop_all_workers,
 )
+from hf_zeroone._tensors import bit_checksum
 from hf_zeroone._two_stage import SCALE_BYTES, compressed_allreduce, float8_allreduce, float8_row_bytes, lane_floats
 from hf_zeroone.compression import ChunkLayout
 
 __all__ = ["CommStats", "Communicator", "bit_checksum", "fp32_allreduce_bytes"]
-
-
-def fp32_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> int:
-    """Bytes one rank sends in a ring allreduce of ``numel`` elements: ``2 (P-1)/P * size``."""
-    if world_size <= 1:
-        return 0
-    return math.ceil(2 * (world_size - 1) * numel * element_size / world_size)
-
-
-def bit_checksum(tensors: list[Tensor], device: torch.device | str | None = None) -> Tensor:
-    """Two int64 sums of the tensors' bit patterns (plain and position-weighted): equal iff bit-equal.
-
-    Exact integer arithmetic (sums wrap modulo 2^64 the same way in any order), so any flipped
-    bit changes it (up to astronomically unlikely collisions); the weighted sum also catches
-    tensors that swapped places. Computed on the tensors' device (no host read there); the
-    result is put on ``device`` (default: the first tensor's device, the CPU for none).
-    """
-    home = tensors[0].device if tensors else torch.device("cpu")
-    total = torch.zeros(2, dtype=torch.int64, device=home)
-    for i, t in enumerate(tensors):
-        t = t.detach().contiguous().reshape(-1)
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-        s = t.view(bits).sum(dtype=torch.int64).to(home)
-        total[0] += s
-        total[1] += s * (i + 1)
-    return total if device is None else total.to(device)
-
-
-@dataclass
-class CommStats:
-    """What one rank sent: bytes, collective calls, and allreduces of each kind.
-
-    Counted exactly when each collective is issued (the payload this rank puts on the wire under
-    a ring / pairwise model: ``(P-1) * w`` for an all-to-all or all-gather of ``w`` bytes per
-    peer, ``2 (P-1)/P * b`` for an allreduce of ``b`` bytes). ``fp32_equivalent_bytes`` is what
-    an fp32 ring allreduce of the same elements would have sent, for compression ratios.
-    """
-
-    bytes_sent: int = 0
-    collectives: int = 0
-    full_allreduces: int = 0
-    compressed_allreduces: int = 0
-    fp32_equivalent_bytes: int = 0
-    #: the one-time check that every rank built the optimizer alike (:meth:`Communicator.gather_setup`),
-    #: not in ``bytes_sent`` and ``collectives``, which count the training's traffic
-    setup_bytes: int = 0
-    setup_collectives: int = 0
-    #: the replica checks (:meth:`Communicator.assert_identical`, ``check_replicas_every``), not in
-    #: ``bytes_sent`` and ``collectives`` either (by default one every 100 backward passes or steps)
-    check_bytes: int = 0
-    check_collectives: int = 0
-
-    def copy(self) -> CommStats:
-        return CommStats(**{f.name: getattr(self, f.name) for f in fields(self)})
-
-    def __sub__(self, other: CommStats) -> CommStats:
-        return CommStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
-
-    def __add__(self, other: CommStats) -> CommStats:
-        return CommStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
-
-    @property
-    def compression_ratio(self) -> float:
-        """fp32-equivalent bytes divided by bytes actually sent (``inf`` when nothing was sent)."""
-        return self.fp32_equivalent_bytes / self.bytes_sent if self.bytes_sent else math.inf
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 _LIVE_COMMUNICATORS: weakref.WeakSet[Communicator] = weakref.WeakSet()

@@ -19,34 +19,22 @@ points (the boundaries of the parameter tensors packed into the vector), and eac
 own scale: one tensor's small gradients are not blown up to the magnitude of its neighbour's.
 That costs four bytes per segment, a few hundred bytes per call for a BERT model.
 
-Segments are contiguous. On the CPU every per-segment operation works on slices, and packing and
-unpacking go through NumPy's bit routines (``packbits`` and a 256-row lookup table), much
-faster than the equivalent torch bit arithmetic. On other devices the same results come from
-vectorised torch code; where the segments are short, the segment scales are applied there as one
-element-wise operand (a gather by each element's segment), a few kernels instead of one per segment.
+Segments are contiguous. Where they are short, the segment scales are applied as one element-wise
+operand (a gather by each element's segment), a few operations instead of one per segment.
+Packing and unpacking go through NumPy's bit routines on the CPU (much faster there than torch's
+bit arithmetic) and through torch's elsewhere, with the same bits.
 
-The layout also carries a 0/1 *mask* that is zero on the padding and on any element the caller
-wants kept out of compression (for example momentum that is always exactly zero). Masked
-elements take no part in a scale, never build up error, and decompress to exactly zero (the
-caller zeroes them, see :mod:`hf_zeroone.comm`). The mask is one byte per element (uint8 0 or 1,
-which a multiplication promotes to the values' float type). A layout whose only masked elements
-are the padding stores no mask: :attr:`ChunkLayout.mask` then builds one when asked, and callers
-zero the padding tail instead.
-
-**Float8 messages** (``exact_step_dtype="float8_e4m3fn"``) are a second codec, not 1-bit: a vector
-is cut into blocks of :data:`FLOAT8_BLOCK` elements and each block ``b`` travels as one byte per
-element, ``x * 2**-e_b`` rounded to the nearest ``float8_e4m3fn``, and one byte for ``e_b``, the
-smallest integer with ``max|x_b| * 2**-e_b <= 448`` (448: that format's largest value), as in the
-OCP microscaling formats. A power-of-two scale is exact, so each element keeps three bits of
-mantissa (a relative error of at most ``2**-4``) unless it is more than ``2**13`` times smaller
-than its block's largest (below that, float8's subnormals: coarser, down to zero at ``2**-17``),
-and the scale costs a byte per block, not four. A block that holds a
-non-finite value gets the exponent byte -128 and decodes to NaN.
+The layout also carries a 0/1 *mask*, zero on the padding and on any element kept out of
+compression (momentum that is always exactly zero). Masked elements take no part in a scale,
+never build up error, and decompress to exactly zero (the caller zeroes them, see
+:mod:`hf_zeroone.comm`). A layout whose only masked elements are the padding stores no mask:
+:attr:`ChunkLayout.mask` builds one when asked, and callers zero the padding tail instead. The
+float8 codec of exact steps is in :mod:`hf_zeroone.float8`.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,12 +44,8 @@ from torch import Tensor
 
 __all__ = [
     "ChunkLayout",
-    "FLOAT8_BLOCK",
     "compression_error",
-    "decode_float8",
     "decompress",
-    "encode_float8",
-    "encode_float8_into",
     "padded_length",
     "pack_signs",
     "scales_from_norms",
@@ -75,10 +59,6 @@ _BITS_PER_BYTE = 8
 # two partial products on the same bit (so no carries): the top byte holds the eight bits, the
 # first one highest.
 _GATHER_BITS = 0x8040201008040201 - (1 << 64)
-#: elements per one-byte scale exponent of a float8 message (the scales add 1/FLOAT8_BLOCK bytes per element)
-FLOAT8_BLOCK = 128
-_FLOAT8_MAX = 448.0  # the largest finite float8_e4m3fn
-_NAN_EXPONENT = -128  # a block with a non-finite element
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
@@ -126,22 +106,15 @@ def _pack_signs_torch(x: Tensor) -> Tensor:
     return packed.to(torch.uint8).reshape(*x.shape[:-1], x.shape[-1] // _BITS_PER_BYTE)
 
 
-_SIGN_TABLES: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 #: per (dtype, device): the bit masks 128, 64, ..., 1 of a byte's eight signs, +1 and -1
 _SELECT_OPERANDS: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
 
 
-def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A (256, 8) table: row ``b`` holds the eight signs (+1/-1) that byte ``b`` encodes."""
-    key = (dtype, device)
-    table = _SIGN_TABLES.get(key)
-    if table is None:
-        byte = torch.arange(256, dtype=torch.int64).unsqueeze(1)
-        shifts = torch.arange(7, -1, -1, dtype=torch.int64)
-        bits = (byte >> shifts) & 1
-        table = (bits * 2 - 1).to(dtype=dtype, device=device)
-        _SIGN_TABLES[key] = table
-    return table
+@functools.cache
+def _numpy_sign_table(dtype: torch.dtype) -> np.ndarray:
+    """A (256, 8) NumPy table: row ``b`` holds the eight signs (+1/-1) that byte ``b`` encodes."""
+    bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1)  # first element highest
+    return bits.astype(_NUMPY_DTYPES[dtype]) * 2 - 1
 
 
 def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32, out: Tensor | None = None) -> Tensor:
@@ -160,21 +133,15 @@ def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32, out: Tensor
             f"out must be a contiguous {dtype} tensor of {8 * packed.numel()} elements, got {out.dtype} "
             f"of shape {tuple(out.shape)}"
         )
-    if packed.device.type != "cpu":
+    if packed.device.type != "cpu" or dtype not in _NUMPY_DTYPES:
         if out is None:
             return _unpack_signs_elementwise(packed, dtype).reshape(shape)
         _unpack_signs_elementwise(packed, dtype, out=out.view(-1, _BITS_PER_BYTE))
         return out
-    table = _sign_table(dtype, packed.device)
-    if dtype in _NUMPY_DTYPES:
-        signs_table, flat = table.numpy(), packed.reshape(-1).numpy()
-        rows = np.empty((flat.size, _BITS_PER_BYTE), signs_table.dtype) if out is None else out.numpy()
-        signs = _take(signs_table, flat, rows.reshape(-1, _BITS_PER_BYTE))
-        return torch.from_numpy(signs).reshape(shape) if out is None else out
-    if out is None:
-        return table[packed.reshape(-1).long()].reshape(shape)
-    torch.index_select(table, 0, packed.reshape(-1).long(), out=out.view(-1, _BITS_PER_BYTE))
-    return out
+    signs_table, flat = _numpy_sign_table(dtype), packed.reshape(-1).numpy()
+    rows = np.empty((flat.size, _BITS_PER_BYTE), signs_table.dtype) if out is None else out.numpy()
+    signs = _take(signs_table, flat, rows.reshape(-1, _BITS_PER_BYTE))
+    return torch.from_numpy(signs).reshape(shape) if out is None else out
 
 
 _TAKE_BLOCK = 1 << 16  # indices per np.take call (see _take)
@@ -196,9 +163,9 @@ def _take(table: np.ndarray, index: np.ndarray, out: np.ndarray) -> np.ndarray:
 def _unpack_signs_elementwise(packed: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
     """:func:`unpack_signs` in three element-wise passes, for accelerators: ``(n, 8)`` signs of ``dtype`` (or ``out``).
 
-    A gather of table rows (the CPU's form) uses a small fraction of a GPU's memory bandwidth;
-    a bit test per output element and a select between +1 and -1 stream instead, with the same
-    values. The masks and the two signs are made on the device once (a copy from the host would
+    A gather of table rows (NumPy's form on the CPU) uses a small fraction of a GPU's memory
+    bandwidth; a bit test per output element and a select between +1 and -1 stream instead, with
+    the same values. The masks and the two signs are made on the device once (a copy from the host would
     wait for the device).
     """
     key = (dtype, packed.device)
@@ -225,8 +192,8 @@ def _segments(x: Tensor, bounds: Sequence[int]) -> list[Tensor]:
 #: launch) per segment, and the two costs meet near this length (``recipes/bench_kernels.py``
 #: times both)
 EXPAND_BELOW = 1 << 19
-#: per (bounds, device): the segment starts inside the vector, on the device (see _expanded)
-_STARTS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+#: per (bounds, device): the segment starts inside the vector and as many ones, on the device (see _expanded)
+_STARTS: dict[tuple[tuple[int, ...], torch.device], tuple[Tensor, Tensor]] = {}
 _STARTS_KEPT = 1024  # layouts change rarely (DDP's bucket rebuild, a new mask); a bound on the cache
 
 
@@ -252,16 +219,18 @@ def _expanded(scales: Tensor, bounds: Sequence[int]) -> Tensor:
     """
     key = (tuple(bounds), scales.device)
     dtype = torch.int32 if bounds[-1] < 2**31 else torch.int64
-    starts = _STARTS.get(key)
-    if starts is None:
+    cached = _STARTS.get(key)
+    if cached is None:
         if len(_STARTS) >= _STARTS_KEPT:
             _STARTS.clear()
         host = torch.tensor(bounds[1:-1], dtype=torch.int64)
         if scales.device.type == "cuda":
             host = host.pin_memory()
-        starts = _STARTS[key] = host.to(scales.device, non_blocking=True)
+        starts = host.to(scales.device, non_blocking=True)
+        cached = _STARTS[key] = (starts, torch.ones(starts.numel(), dtype=dtype, device=scales.device))
+    starts, ones = cached
     index = torch.zeros(bounds[-1] + 1, dtype=dtype, device=scales.device)  # + 1: starts of empty last segments
-    index.index_add_(0, starts, torch.ones((), dtype=dtype, device=scales.device).expand(starts.numel()))
+    index.index_add_(0, starts, ones)
     return scales.index_select(0, index.cumsum_(0)[:-1])
 
 
@@ -318,87 +287,6 @@ def decompress(packed: Tensor, scales: Tensor, bounds: Sequence[int], out: Tenso
         views, factors = zip(*pairs)
         torch._foreach_mul_(list(views), list(factors))
     return out
-
-
-def encode_float8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(codes, exponents)`` of float32 ``x`` (flat, a whole number of :data:`FLOAT8_BLOCK` blocks).
-
-    ``codes``: uint8, one per element (the bits of ``float8_e4m3fn`` of ``x * 2**-e``);
-    ``exponents``: uint8, one per block, the bits of the int8 ``e`` (-128 for a block with a
-    non-finite element). An all-zero block has ``e = 0`` and zero codes.
-    """
-    _check_float8_input(x)
-    codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
-    exponents = encode_float8_into(x.clone(), codes)
-    return codes, exponents
-
-
-def _check_float8_input(x: Tensor) -> None:
-    if x.dtype != torch.float32 or x.dim() != 1 or x.numel() % FLOAT8_BLOCK:
-        what = f"{x.dtype} {tuple(x.shape)}"
-        raise ValueError(f"encode_float8 needs a flat float32 tensor of whole {FLOAT8_BLOCK}-element blocks: {what}")
-
-
-def encode_float8_into(x: Tensor, codes: Tensor) -> Tensor:
-    """:func:`encode_float8` writing the codes into ``codes``; returns the exponents.
-
-    ``x`` (flat float32, whole blocks) is overwritten: it is scaled in place, one pass fewer and
-    no new vector of its size. ``codes``: uint8 with as many elements as ``x`` (which is read in
-    ``codes``' shape), possibly a strided view (the rows of a message).
-    """
-    _check_float8_input(x)
-    if codes.dtype != torch.uint8 or codes.numel() != x.numel():
-        raise ValueError(f"codes must be uint8 with {x.numel()} elements, got {codes.dtype} {tuple(codes.shape)}")
-    blocks = x.view(-1, FLOAT8_BLOCK)
-    # max |x| = max(max x, -min x), without a new |x| per element (aminmax with a dim is slower on CPU)
-    amax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
-    finite = torch.isfinite(amax)
-    mantissa, exponent = torch.frexp(amax / _FLOAT8_MAX)  # amax / 448 = mantissa * 2**exponent, mantissa in [0.5, 1)
-    exponent = exponent.sub_((mantissa == 0.5).to(exponent.dtype)).clamp_(-127, 127)  # ceil(log2(amax / 448))
-    exponent = exponent.masked_fill_(~finite, _NAN_EXPONENT).to(torch.int8)
-    # x * 2**-e, as torch.ldexp computes it (a product with a power of two: exact)
-    blocks.mul_(torch.pow(2.0, -exponent.to(torch.float32)).unsqueeze(1))
-    blocks.clamp_(-_FLOAT8_MAX, _FLOAT8_MAX)
-    codes.view(torch.float8_e4m3fn).copy_(x.view(codes.shape))
-    return exponent.view(torch.uint8)
-
-
-_FLOAT8_VALUES: list[np.ndarray] = []  # the float32 value of each of the 256 float8_e4m3fn codes
-
-
-def _float8_to_float32(codes: Tensor, out: Tensor | None = None) -> Tensor:
-    """The float32 value of each float8_e4m3fn code (uint8, flat): a new tensor, or ``out`` (flat, contiguous).
-
-    On the CPU torch converts element by element, most of a float8 allreduce's time; a lookup in
-    a 256-entry table of torch's own conversions gives the same bits (NaN codes included) faster.
-    Other devices convert.
-    """
-    if codes.device.type != "cpu":
-        values = codes.view(torch.float8_e4m3fn)
-        return values.to(torch.float32) if out is None else out.copy_(values)
-    if not _FLOAT8_VALUES:
-        every_code = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-        _FLOAT8_VALUES.append(every_code.view(torch.float8_e4m3fn).to(torch.float32).numpy())
-    flat = codes.contiguous().numpy()
-    values = _take(_FLOAT8_VALUES[0], flat, np.empty(flat.size, np.float32) if out is None else out.numpy())
-    return torch.from_numpy(values) if out is None else out
-
-
-def decode_float8(codes: Tensor, exponents: Tensor, out: Tensor | None = None) -> Tensor:
-    """float32 values of :func:`encode_float8`'s ``codes`` and ``exponents`` (uint8, flat).
-
-    A new tensor, or ``out`` (flat, contiguous float32, one element per code) written in place.
-    """
-    if out is not None and (out.dtype != torch.float32 or not out.is_contiguous() or out.shape != codes.shape):
-        raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(codes.shape)}, got {out.dtype} "
-                         f"{tuple(out.shape)}")  # fmt: skip
-    exponent = exponents.view(torch.int8)
-    # 2**e per block, as torch.ldexp computes it, and NaN for a block marked non-finite: one
-    # in-place product per element makes the whole block NaN (a NaN factor spares no element)
-    factors = torch.pow(2.0, exponent.to(torch.float32)).masked_fill_(exponent == _NAN_EXPONENT, math.nan)
-    values = _float8_to_float32(codes, out).view(-1, FLOAT8_BLOCK)
-    values.mul_(factors.unsqueeze(1))
-    return values.view(-1) if out is None else out
 
 
 @dataclass(frozen=True)

@@ -239,13 +239,13 @@ def test_the_scales_are_expanded_only_for_short_segments():
     assert not _expands((0, 0, 0, 0, EXPAND_BELOW))
 
 
-@pytest.mark.parametrize("form", ["numpy", "table", "elementwise"])
+@pytest.mark.parametrize("form", ["numpy", "bf16", "elementwise"])
 def test_unpacking_and_decompressing_into_a_given_buffer_writes_the_same_bits_there(form):
     """``out=`` (the compressed allreduce's reuse of its message's memory) changes no bit, on every path.
 
-    numpy: the CPU's float32 path; table: a dtype NumPy lacks (bf16); elementwise: the accelerators'.
+    numpy: the CPU's float32 path; bf16: a dtype NumPy lacks; elementwise: the accelerators'.
     """
-    dtype = torch.bfloat16 if form == "table" else torch.float32
+    dtype = torch.bfloat16 if form == "bf16" else torch.float32
     g = torch.Generator().manual_seed(3)
     packed = pack_signs(torch.randn(2, 40, generator=g))
     out = torch.full((80,), 7.0, dtype=dtype)

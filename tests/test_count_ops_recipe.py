@@ -26,6 +26,11 @@ def test_count_ops_prints_a_row_per_step_kind():
     assert rows[("DDP + AdamW(foreach=True)", "whole step")][1] == "0"
     # a compressed step dispatches more than AdamW's whole step: its messages, compression and update
     assert int(rows[("1-bit Adam", "onebit_momentum")][1]) > 0, proc.stdout
+    # but no more per added tensor than DDP + AdamW: the optimizer's work does not grow with the tensors
+    growth = re.compile(r"^\| ([^|]+?) \| (\w[\w ]*?) \|(?: [^|]+ \|){3} (-?[\d.]+) \|", re.M)
+    per_tensor = {tuple(m[:2]): float(m[2]) for m in growth.findall(proc.stdout)}
+    assert set(per_tensor) == set(rows), proc.stdout
+    assert all(value <= 0.0 for value in per_tensor.values()), proc.stdout
 
 
 def test_every_tensor_of_the_counted_model_gets_a_non_zero_gradient():

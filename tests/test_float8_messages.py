@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from hf_zeroone.compression import FLOAT8_BLOCK, decode_float8, encode_float8
+from hf_zeroone.float8 import FLOAT8_BLOCK, decode_float8, encode_float8
 
 from _dist import run_ranks
 
@@ -65,7 +65,7 @@ def _reference_decode(codes, exponents):
 def test_the_codec_keeps_the_bits_of_its_first_form_on_zeros_subnormals_and_non_finite_blocks():
     """No new |x| nor ldexp output per element, a table lookup for the CPU's float8 to float32, a NaN
     factor per bad block: the same bits as the straightforward form, whatever the values."""
-    from hf_zeroone.compression import encode_float8_into
+    from hf_zeroone.float8 import encode_float8_into
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(40 * FLOAT8_BLOCK, generator=g) * torch.exp(torch.randn(40 * FLOAT8_BLOCK, generator=g) * 10)
@@ -199,7 +199,7 @@ def test_decoding_into_a_given_buffer_writes_the_same_bits_and_refuses_a_wrong_o
 
 
 def test_encoding_into_a_wrong_buffer_is_refused_before_anything_is_written():
-    from hf_zeroone.compression import encode_float8_into
+    from hf_zeroone.float8 import encode_float8_into
 
     x = torch.randn(2 * FLOAT8_BLOCK)
     for bad in (torch.zeros(FLOAT8_BLOCK, dtype=torch.uint8), torch.zeros(2 * FLOAT8_BLOCK, dtype=torch.int16)):

@@ -1,13 +1,9 @@
 r"""``follow_gradient_scale`` (on by default): a frozen variance that follows the gradient's scale.
 
-1-bit Adam freezes ``v`` at ``freeze_step`` and 0/1 Adam at ``var_freeze_step``. Adam's ``v``
-would go on following the gradients. When their scale keeps falling after the freeze (a
-regression whose loss falls by orders of magnitude) the frozen ``v`` is too large and the steps
-too small: on least squares with a learning rate decaying to 0, 1-bit and 0/1 Adam end several
-times above AdamW's loss even in one process, with no compression at all
-(``docs/stale_variance.md``). When their scale grows (a language model leaving its first
-plateau: attention's query and key gradients) the frozen ``v`` is too small and the steps too
-large.
+Both optimizers freeze ``v``; Adam's would go on following the gradients. When their scale keeps
+falling after the freeze (least squares) the frozen ``v`` is too large and the steps too small,
+several times above AdamW's final loss even in one process (``docs/stale_variance.md``); when it
+grows (a language model leaving its first plateau) ``v`` is too small and the steps too large.
 
 With the option, each tensor keeps the element-wise *shape* of its frozen ``v`` and rescales it,
 by a factor ``f``, to what Adam's ``v`` would have become on average over the tensor's elements.
@@ -210,7 +206,8 @@ def scale_samples(
     floors = floors.unbind()
     for group in shape_groups(dens, masked):  # one call per shape, not per tensor (see shape_groups)
         stacked_dens = torch.stack([dens[i] for i in group])
-        stacked = torch.stack([grads[i] for i in group]).div_(stacked_dens)
+        stacked = torch.stack([grads[i] for i in group])  # divided in the promoted dtype, as the unmasked ones
+        stacked = stacked.div_(stacked_dens) if stacked.dtype == stacked_dens.dtype else stacked / stacked_dens
         thresholds = per_tensor_operand(floors, group, stacked_dens.dim() - 1).to(stacked_dens.dtype)
         stacked.masked_fill_(stacked_dens < thresholds, 0.0)  # compared in d's dtype, as against a 0-dim floor
         for i, r in zip(group, stacked.unbind()):

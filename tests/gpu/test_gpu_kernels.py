@@ -110,7 +110,7 @@ def test_decompressing_into_a_given_buffer_is_bit_identical():
 
 def test_the_float8_codec_and_allreduce_are_bit_identical_to_the_cpu():
     """Block maxima, powers of two and the round-to-nearest cast are exact: CUDA gives the CPU's codes."""
-    from hf_zeroone.compression import FLOAT8_BLOCK, decode_float8, encode_float8
+    from hf_zeroone.float8 import FLOAT8_BLOCK, decode_float8, encode_float8
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64 * FLOAT8_BLOCK, generator=g) * torch.exp(torch.randn(64 * FLOAT8_BLOCK, generator=g) * 6)

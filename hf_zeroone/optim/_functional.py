@@ -35,7 +35,6 @@ from hf_zeroone._tensors import (
     div_scalar,
     div_scalar_,
     float32_norms,
-    joined,
     mul_scalar,
     mul_scalar_,
     per_tensor_operand,
@@ -55,7 +54,6 @@ __all__ = [
     "momentum_messages",
     "norm_proxy_factors",
     "root_denominators",
-    "root_multipliers",
     "split_denominators",
     "to_update_units",
     "update_unit_messages",
@@ -128,11 +126,6 @@ def denominators(
                 out[i] = d
     add_scalar_(out, eps)
     return out
-
-
-def root_multipliers(factors: Sequence[Tensor], c2: float) -> Tensor:
-    """``sqrt(f / c2)`` of each factor (0-dim float32 tensors), one float32 vector: what scales ``sqrt(v)``."""
-    return joined(list(factors)).div(c2).sqrt_()  # one computation for all tensors (no copy of a vector's views)
 
 
 def split_denominators(

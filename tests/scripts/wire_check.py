@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """The suite's byte counts against the wire: every rank of a run in one network namespace (as root).
 
-    sudo python recipes/wire_check.py
+    sudo python tests/scripts/wire_check.py
 
 Runs AdamW, torchft DiLoCo (H=8), DeMo (top-k 8), post-local SGD (period 4), 1-bit Adam and 0/1
 Adam (with their defaults, float8 exact steps, and with bf16 exact steps) on the quick CLM workload
-of ``frontier.py``, each in a fresh network namespace of its own (``recipes/bench/netns.py``), and
+of ``recipes/frontier.py``, each in a fresh network namespace of its own (``recipes/bench/netns.py``), and
 compares what the suite counted (bytes each rank sent, summed over ranks) with the bytes the
 namespace's loopback carried. The wire carries more than training traffic: TCP/IP headers, the
 rendezvous, DDP's initial broadcast, the replica check after the loop and, for DiLoCo, the
@@ -22,8 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))  # the suite it checks
 
 from bench.netns import NetNamespace, netns_unavailable_reason  # noqa: E402 - needs the path
 from convergence import make_spec, prepare_lm_data  # noqa: E402

@@ -1,4 +1,4 @@
-"""recipes/wire_check.py: the suite's byte count of 0/1 Adam against the bytes its network namespace carried.
+"""tests/scripts/wire_check.py: the suite's byte count of 0/1 Adam against the bytes its network namespace carried.
 
 Needs root and ``ip`` (network namespaces); skipped elsewhere. The counted bytes must be those
 ``docs/frontier.md`` quotes, exactly (they depend on the schedule and the model's shapes only), and
@@ -31,7 +31,7 @@ def test_zeroone_adams_counted_bytes_are_the_docs_and_the_wire_carries_them(tmp_
     reason = netns_unavailable_reason()
     if reason:
         pytest.skip(f"network namespaces unavailable: {reason}")
-    cmd = [sys.executable, str(ROOT / "recipes" / "wire_check.py"), "--points", "0/1 Adam"]
+    cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "wire_check.py"), "--points", "0/1 Adam"]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [*cmd, "--output_dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=850, cwd=tmp_path

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# End-to-end check of the GPU / NCCL path on one machine with 2+ GPUs (see README, "GPU status").
-#   bash recipes/gpu_smoke.sh            # 2 GPUs
-#   NPROC=4 bash recipes/gpu_smoke.sh    # 4 GPUs: also data-parallel sub-groups (2 x 2)
-#   bash recipes/gpu_smoke.sh            # 1 GPU: the single-GPU checks only (tests, kernels, step time)
+# End-to-end check of the GPU / NCCL path on one machine with 2+ GPUs (docs/gpu.md).
+#   bash tests/scripts/gpu_smoke.sh            # 2 GPUs
+#   NPROC=4 bash tests/scripts/gpu_smoke.sh    # 4 GPUs: also data-parallel sub-groups (2 x 2)
+#   bash tests/scripts/gpu_smoke.sh            # 1 GPU: the single-GPU checks only (tests, kernels, step time)
 # 1. the GPU tests (tests/gpu: kernels vs CPU bit for bit, streams, optimizers, NCCL on 2+ GPUs);
 # 2. training on NCCL and on gloo CPU ranks (replicas bit-identical, bytes as accounted), compared
 #    (loss as on CPU); 3. the kernel benchmark with the BERT-base overhead. Exits non-zero on failure.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 NPROC="${NPROC:-2}"
 STEPS="${STEPS:-40}"
 OUT="${OUT:-gpu_smoke_out}"
@@ -28,10 +28,10 @@ if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ]; th
     echo "gpu_smoke: the single-GPU checks passed; outputs in $OUT/ (NCCL not run: it needs 2 GPUs)"
     exit 0
 fi
-torchrun --standalone --nproc_per_node "$NPROC" recipes/gpu_smoke.py --device cuda --steps "$STEPS" --out "$OUT/cuda.json" \
+torchrun --standalone --nproc_per_node "$NPROC" tests/scripts/gpu_smoke.py --device cuda --steps "$STEPS" --out "$OUT/cuda.json" \
     2>&1 | tee "$OUT/cuda.txt"
-torchrun --standalone --nproc_per_node "$NPROC" recipes/gpu_smoke.py --device cpu --steps "$STEPS" --out "$OUT/cpu.json" \
+torchrun --standalone --nproc_per_node "$NPROC" tests/scripts/gpu_smoke.py --device cpu --steps "$STEPS" --out "$OUT/cpu.json" \
     2>&1 | tee "$OUT/cpu.txt"
-python recipes/gpu_smoke.py --compare "$OUT/cuda.json" "$OUT/cpu.json" | tee "$OUT/compare.txt"
+python tests/scripts/gpu_smoke.py --compare "$OUT/cuda.json" "$OUT/cpu.json" | tee "$OUT/compare.txt"
 python recipes/bench_kernels.py --device cuda --bert --json "$OUT/bench.json" | tee "$OUT/bench.txt"
 echo "gpu_smoke: all checks passed; outputs in $OUT/"

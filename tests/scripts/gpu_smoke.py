@@ -1,10 +1,10 @@
 """End-to-end check of the NCCL path: run it under torchrun on GPUs, then on CPU ranks, and compare.
 
-    torchrun --standalone --nproc_per_node 2 recipes/gpu_smoke.py --device cuda --out smoke_cuda.json
-    torchrun --standalone --nproc_per_node 2 recipes/gpu_smoke.py --device cpu --out smoke_cpu.json
-    python recipes/gpu_smoke.py --compare smoke_cuda.json smoke_cpu.json
+    torchrun --standalone --nproc_per_node 2 tests/scripts/gpu_smoke.py --device cuda --out smoke_cuda.json
+    torchrun --standalone --nproc_per_node 2 tests/scripts/gpu_smoke.py --device cpu --out smoke_cpu.json
+    python tests/scripts/gpu_smoke.py --compare smoke_cuda.json smoke_cpu.json
 
-(``recipes/gpu_smoke.sh`` runs all three.) Each run trains a small BERT (random weights, synthetic
+(``tests/scripts/gpu_smoke.sh`` runs all three.) Each run trains a small BERT (random weights, synthetic
 tokens, no dropout, no download) with DDP and the hf_zeroone hook, once with 1-bit Adam and once
 with 0/1 Adam, through every phase of their schedules (0/1 Adam on a side CUDA stream), with
 ``check_replicas_every=1``. It checks, and writes to ``--out``:

@@ -2,22 +2,12 @@
 
     python recipes/bench_kernels.py                      # the best device here (CUDA if visible)
     python recipes/bench_kernels.py --device cuda --bert # plus the 1-bit overhead vs a BERT-base step
-    python recipes/bench_kernels.py --device cuda --scales slices  # segment scales one slice at a time
 
-Prints a table: for each kernel the best time of ``--repeat`` runs, the effective bandwidth (the bytes the operation
-must at least read and write, divided by the time) and that bandwidth as a share of the device's
-memory bandwidth, measured here by a plain copy (``dst.copy_(src)``, read + write).
-
-"compressed allreduce arithmetic" is everything one rank computes in a ``--world``-rank
-compressed allreduce (both compression stages, error feedback, decompression), with the
-collectives replaced by local copies (``Communicator._loopback``): the compression overhead
-alone. Its bytes are those a fused implementation must move: the input read (4 n), the worker
-error read and written (8 n), the result written (4 n). "float8 allreduce arithmetic" is the
-same for an exact step's float8 messages (``exact_step_dtype="float8_e4m3fn"``, the default; the
-segments taken as the bucket's tensors): 8 n bytes, the input read and the result written.
-The goals on a GPU: at least
-30% of the memory bandwidth for it, and a 1-bit step's compression overhead under 7% of a
-BERT-base forward + backward (``--bert``). Every kernel here is plain torch.
+Prints each kernel's best time of ``--repeat`` runs and its effective bandwidth (the bytes it must at least read and
+write, over the time), also as a share of the bandwidth of a plain copy. "compressed allreduce arithmetic" is what one
+rank of a ``--world``-rank compressed allreduce computes, with local copies in place of the collectives
+(``Communicator._loopback``): 16 n bytes (input, worker error read and written, result); "float8 allreduce
+arithmetic", the same for an exact step's float8 messages: 8 n bytes. Every kernel here is plain torch.
 """
 
 from __future__ import annotations
@@ -29,7 +19,6 @@ from collections.abc import Callable
 
 import torch
 
-import hf_zeroone.compression as compression
 from hf_zeroone.comm import Communicator
 from hf_zeroone.compression import ChunkLayout, compression_error, decompress, pack_signs, segment_scales, unpack_signs
 
@@ -155,32 +144,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--world", type=int, default=8, help="simulated ranks of the compressed allreduce")
     parser.add_argument("--segments", type=int, default=16, help="tensors (segments) in the vector")
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument(
-        "--masked", type=float, default=0.0, help="fraction of the elements the layout masks (unused embedding rows)"
-    )
+    parser.add_argument("--masked", type=float, default=0.0, help="fraction of the elements masked (unused rows)")
     parser.add_argument("--bert", action="store_true", help="also time a BERT-base forward + backward")
     parser.add_argument("--bert_batch", type=int, default=32)
     parser.add_argument("--bert_seq", type=int, default=128)
     parser.add_argument("--json", default=None, help="also write the results to this file")
-    parser.add_argument(
-        "--scales",
-        choices=("default", "slices", "expanded"),
-        default="default",
-        help="how the segment scales are applied: the package's choice (expanded per element when the segments "
-        "are short), one operation per segment, or expanded per element",
-    )
     args = parser.parse_args(argv)
-    compression.EXPAND_BELOW = {"default": compression.EXPAND_BELOW, "slices": 0, "expanded": 1 << 62}[args.scales]
     device = torch.device(args.device)
     numel = args.numel or (1 << 26 if device.type == "cuda" else 1 << 22)
     if not 0.0 <= args.masked < 1.0:
         parser.error(f"--masked is a fraction of the elements, in [0, 1); got {args.masked}")
     res = bench(device, numel, args.world, args.repeat, args.segments, masked=args.masked)
     print(f"device: {res['device']}; memory bandwidth (plain copy): {res['copy_GB/s']:.1f} GB/s")
-    print(
-        f"n = {res['numel']} float32 elements, {args.segments} segments, {args.masked:.0%} masked, scales: "
-        f"{args.scales}; plain torch kernels\n"
-    )
+    print(f"n = {res['numel']} float32 elements, {args.segments} segments, {args.masked:.0%} masked\n")
     print("| kernel | ms | GB/s | of memory bandwidth |")
     print("|---|---:|---:|---:|")
     for row in res["rows"]:
@@ -200,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"\nBERT-base forward + backward (batch {args.bert_batch} x {args.bert_seq}): {step_s * 1e3:.1f} ms; "
             f"1-bit compression arithmetic for its {params / 1e6:.0f}M parameters ({buckets} buckets of 25 MB, "
-            f"P={args.world}): {overhead * 1e3:.1f} ms = {100 * overhead / step_s:.1f}% of the step (goal: under 5%)"
+            f"P={args.world}): {overhead * 1e3:.1f} ms = {100 * overhead / step_s:.1f}% of the step (goal: under 7%)"
         )
     if args.json:
         with open(args.json, "w") as f:

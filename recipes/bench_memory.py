@@ -1,37 +1,13 @@
 """Bytes per parameter each optimizer holds, per phase: 1-bit Adam and 0/1 Adam against AdamW and DeepSpeed.
 
-Run (Linux, CPU; spawns its own gloo ranks; under a minute on two cores)::
+    python recipes/bench_memory.py   # Linux, CPU, its own gloo ranks: under a minute on two cores
 
-    python recipes/bench_memory.py
-
-``--world_size`` ranks (default 2) train a stack of Linear layers (about 3.1M parameters, fp32) with AdamW
-(plain DDP) and with ``OneBitAdam`` and ``ZeroOneAdam`` on two paths: DDP with the hf_zeroone hook
-(``register_zeroone_hook``) and ``step()`` (no DDP: the optimizer communicates in ``step()``). The
-schedules are short so that every phase is reached.
-
-*Held*: after every step, rank 0 adds up the tensor storage the optimizer holds
-(:func:`hf_zeroone.optim.state_bytes`: every distinct storage once, views counted at the size of what
-they view, buffers no state refers to any more included) and divides by the number of parameters. A
-phase's figure is the largest over its steps; the model and its gradients are not included.
-
-*Transient*: the process's peak resident size during ``backward()`` + ``step()`` (Linux ``VmHWM``,
-reset before backward; large allocations go straight to and from the OS, ``MALLOC_MMAP_THRESHOLD_``)
-above the larger of the resident sizes before and after, with the gradients already allocated: the
-scratch a step needs for a moment (messages, decompressed results, temporaries of the update). It
-grows with the largest bucket (``--bucket_mb``: DDP's ``bucket_cap_mb`` and the optimizers'
-``step_bucket_numel``) and the largest tensor, not with the model.
-
-DeepSpeed's figures are read from ``deepspeed/runtime/fp16/onebit/{adam,zoadam}.py`` (per-parameter
-state, fp32): ``OnebitAdam`` holds ``exp_avg`` and ``exp_avg_sq`` in the warm-up and adds
-``worker_error`` (padded size) and ``server_error`` (padded size / P) when compression starts;
-``ZeroOneAdam`` allocates ``exp_avg``, ``exp_avg_sq``, ``worker_error``, ``server_error`` and
-``momentum_accumulator`` at its first step and keeps them. Not counted for DeepSpeed: the fp32 master
-weights of its fp16 engine (any optimizer pays them), the user's ``exp_avg_mask``, and scratch
-inside a compressed allreduce call (per tensor, freed after the call).
-
-``--embedding N`` puts an ``N``-row embedding first, three quarters of whose rows never get a
-gradient: the automatic momentum mask then costs what the breakdown shows. ``--breakdown`` adds a
-table of the bytes per parameter by role (state entry, or ``flat.*`` for cached layouts).
+``--world_size`` ranks train a stack of Linear layers (about 3.1M fp32 parameters) through every phase with AdamW
+(plain DDP) and with ``OneBitAdam`` and ``ZeroOneAdam``, on DDP with the hf_zeroone hook and on ``step()``.
+*Held*: the largest, over a phase's steps, of the tensor storage the optimizer holds after a step
+(:func:`hf_zeroone.optim.state_bytes`), per parameter; the model and its gradients are not included.
+*Transient*: the peak resident size during backward + step (``VmHWM``; large allocations go straight to and
+from the OS) above the larger of the resident sizes before and after. docs/memory.md explains the figures.
 """
 
 from __future__ import annotations
@@ -53,7 +29,8 @@ from hf_zeroone import OneBitAdam, StepKind, ZeroOneAdam
 from hf_zeroone.ddp_hook import register_zeroone_hook
 from hf_zeroone.optim import documented_bytes_per_param, state_bytes
 
-#: DeepSpeed's per-parameter optimizer state in bytes, by phase, for P ranks (see the docstring)
+#: DeepSpeed's per-parameter optimizer state in bytes, by phase, for P ranks, as ``deepspeed/runtime/fp16/onebit/
+#: {adam,zoadam}.py`` allocates it (not counted: its fp16 engine's fp32 master weights, any optimizer's cost)
 DEEPSPEED: dict[str, dict[str, Callable[[int], float]]] = {
     "AdamW": {"all phases": lambda P: 8.0},
     "OneBitAdam": {
@@ -236,18 +213,8 @@ def main() -> None:
     parser.add_argument("--world_size", type=int, default=2, help="gloo ranks to spawn (default 2)")
     parser.add_argument("--width", type=int, default=1024, help="width of the hidden layers (default 1024)")
     parser.add_argument("--layers", type=int, default=4, help="number of Linear layers (default 4)")
-    parser.add_argument(
-        "--bucket_mb",
-        type=float,
-        default=25.0,
-        help="DDP's bucket_cap_mb and the optimizers' step() bucket, in MiB of fp32 (default 25, DDP's default)",
-    )
-    parser.add_argument(
-        "--embedding",
-        type=int,
-        default=0,
-        help="put an embedding of this many rows first, three quarters of them never used (masked); default none",
-    )
+    parser.add_argument("--bucket_mb", type=float, default=25.0, help="DDP's and step()'s bucket, MiB (default 25)")
+    parser.add_argument("--embedding", type=int, default=0, help="an embedding of N rows first, 3/4 of them unused")
     parser.add_argument("--breakdown", action="store_true", help="also print the bytes per role")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

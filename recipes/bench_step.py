@@ -1,25 +1,17 @@
 #!/usr/bin/env python
 """The optimizer step alone, against ``torch.optim.AdamW(foreach=True)``, in every phase of both optimizers.
 
-One process, on a model with many tensors, where per-tensor Python loops and kernel launches show.
-Each phase is timed on its own optimizer, set up so that every timed step is of that kind::
+One process, on a model with many tensors, where per-tensor Python loops and kernel launches show; each phase timed
+on an optimizer of its own whose timed steps are all of that kind::
 
     python recipes/bench_step.py                       # CPU, a 24-layer BERT of width 64 (400+ tensors)
     python recipes/bench_step.py --device cuda --fused # on a GPU, also against AdamW(fused=True)
     python recipes/bench_step.py --loopback 2          # with the message maths of 2 simulated ranks
-    python recipes/bench_step.py --set follow_gradient_scale=False  # an option of ours off in every phase
 
-Alone in its process an optimizer communicates nothing, and its step is the local arithmetic only
-(clipping to the variance, the update). ``--loopback P`` gives each optimizer a communicator that
-stands in for P ranks sending what this one sends (``Communicator._loopback``): the step then runs
-the whole compressed exchange, the message maths, the compression arithmetic on the worker thread
-and its stream, the implied gradients, with local copies in place of the network (the values are
-not a real run's: see ``_LoopbackCollectives``). ``recipes/count_ops.py`` counts the operations
-a step dispatches instead of timing it.
-
-Prints a markdown table (median milliseconds per step, the ratio to AdamW, and the range of that
-ratio over the rounds). Machines are shared and noisy: the ratios inside one run are the figure,
-not the milliseconds, and a difference smaller than the range is noise.
+Alone in its process an optimizer communicates nothing; ``--loopback P`` gives it a communicator that stands in for
+P ranks (``Communicator._loopback``): the whole compressed exchange, with local copies in place of the network.
+Prints the median milliseconds per step, the ratio to AdamW and the range of that ratio over the rounds: compare
+ratios inside one run (a difference smaller than the range is noise).
 """
 
 from __future__ import annotations
@@ -51,25 +43,6 @@ PHASES = {
     ),
     "0/1 Adam: sync": (ZeroOneAdam, {"var_freeze_step": 2, "local_step_clipper": 1, "exact_warmup_steps": 0}, 4),
 }
-
-
-#: the on/off options of both optimizers that ``--set`` may turn (their defaults: on)
-SWITCHES = ("follow_gradient_scale", "clip_to_variance", "auto_momentum_mask")
-
-
-def _switch(text: str) -> tuple[str, bool]:
-    """``OPTION=True`` or ``OPTION=False`` for an option of :data:`SWITCHES`, for ``--set``."""
-    name, _, value = text.partition("=")
-    if name not in SWITCHES or value not in ("True", "False"):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give OPTION=True or OPTION=False, OPTION one of {', '.join(SWITCHES)}"
-        )
-    return name, value == "True"
-
-
-def phases_with(switches: dict[str, bool]) -> dict:
-    """:data:`PHASES` with ``switches`` (options of :data:`SWITCHES`) given to every phase's optimizer."""
-    return {name: (cls, {**kw, **switches}, before) for name, (cls, kw, before) in PHASES.items()}
 
 
 def build_model(layers: int, width: int) -> torch.nn.Module:
@@ -125,15 +98,7 @@ def main() -> None:
         "--loopback", type=int, default=0, metavar="P",
         help="run the compressed exchange of P simulated ranks in this process (0: communicate nothing)",
     )  # fmt: skip
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="OPTION=BOOL", type=_switch,
-        help=f"an on/off option of both optimizers for every phase ({', '.join(SWITCHES)}); repeatable",
-    )  # fmt: skip
     args = parser.parse_args()
-    switches = dict(args.set)
-    phases = phases_with(switches)
-    if switches:
-        print(f"every phase with {', '.join(f'{k}={v}' for k, v in switches.items())}")
     torch.set_num_threads(args.threads)
     if args.loopback == 1 or args.loopback < 0:
         raise SystemExit(f"--loopback {args.loopback}: give 2 or more simulated ranks, or 0 for none")
@@ -152,7 +117,7 @@ def main() -> None:
         timings: dict[str, list[float]] = {}
         for name, make in baselines.items():
             timings[name] = time_steps(make(), params, 2, args.steps)
-        for name, (cls, kw, before) in phases.items():
+        for name, (cls, kw, before) in PHASES.items():
             comm = communicator(args.loopback)
             timings[name] = time_steps(cls(params, lr=1e-3, communicator=comm, **kw), params, before, args.steps)
             if comm is not None:

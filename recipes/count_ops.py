@@ -1,21 +1,16 @@
 #!/usr/bin/env python
 """Host work per step, counted: the torch operations a training step dispatches, on every thread.
 
-On a GPU each torch operation costs a few microseconds of host time and at least one kernel
-launch, whatever its tensor's size, so a step's overhead is its number of operations. That number
-is the same on every machine. This recipe counts it on CPU ranks (gloo), for a model of ``N`` tiny
-``Linear(8, 8)`` layers in one DDP bucket, where only host work shows::
+On a GPU each torch operation costs a few microseconds of host time and a kernel launch whatever its size, so a
+step's overhead is its number of operations, the same on every machine. Counted here on CPU ranks (gloo), for a
+model of ``N`` tiny ``Linear(8, 8)`` layers in one DDP bucket::
 
-    torchrun --standalone --nproc_per_node 2 recipes/count_ops.py
     torchrun --standalone --nproc_per_node 2 recipes/count_ops.py --tensors 100,400 --steps 12
 
-For each step kind of both optimizers (DDP with the hf_zeroone hook) and for DDP with
-``AdamW(foreach=True)``, it profiles single steps (forward, backward, ``step()``) with
-``torch.profiler`` on all threads (the communicator's too) and counts the top-level ``aten::``
-operations: those not called from inside another one. The table gives the median count per step,
-what a step adds beyond DDP + AdamW's whole step, that per parameter tensor, and how the addition
-grows from the smallest ``N`` to the largest per added tensor. A last column times the steps
-without the profiler, as a ratio to DDP + AdamW's (noisy: compare inside one run).
+For each step kind of both optimizers (DDP with the hf_zeroone hook) and for DDP with ``AdamW(foreach=True)``: the
+median number of top-level ``aten::`` operations (not called from inside another) per step under ``torch.profiler``
+on all threads, what a step adds beyond DDP + AdamW, per tensor and per added tensor from the smallest ``N`` to the
+largest, and the step's time without the profiler as a ratio to DDP + AdamW's (noisy).
 """
 
 from __future__ import annotations
@@ -33,14 +28,8 @@ RUNS = {
     "1-bit Adam": ("onebit", {"freeze_step": 4}),
     "0/1 Adam": (
         "zeroone",
-        {
-            "var_freeze_step": 8,
-            "var_update_scaler": 1,
-            "local_step_scaler": 2,
-            "local_step_clipper": 4,
-            "exact_warmup_steps": 3,
-        },
-    ),  # fmt: skip
+        dict(var_freeze_step=8, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4, exact_warmup_steps=3),
+    ),
 }
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402 - needs the path
-from pretrain import PretrainArguments, build_tokenizer, embedded_corpus, make_blocks  # noqa: E402
+from pretrain import PretrainArguments, arg, build_tokenizer, embedded_corpus, make_blocks  # noqa: E402
 from suite import workloads  # noqa: E402
-from suite.launch import arg, code_version, package_defaults, parse, run  # noqa: E402
+from suite.launch import code_version, package_defaults, parse, run  # noqa: E402
 from suite.report import OPTIMIZERS, markdown, mean_over_seeds, plot  # noqa: E402
 
 WORKLOADS = ("finetune", "clm", "mlm", "lsq", "clm_lengths")

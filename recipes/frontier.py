@@ -21,7 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from convergence import SuiteArguments, make_spec, prepare_lm_data  # noqa: E402 - needs the path
-from suite.launch import arg, code_version, parse, run  # noqa: E402
+from pretrain import arg  # noqa: E402
+from suite.launch import code_version, parse, run  # noqa: E402
 from suite.report import LABELS, figure  # noqa: E402
 
 HF_ZEROONE = ("onebit_adam", "zeroone_adam")

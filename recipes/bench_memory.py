@@ -33,15 +33,13 @@ from hf_zeroone.optim import documented_bytes_per_param, state_bytes
 #: {adam,zoadam}.py`` allocates it (not counted: its fp16 engine's fp32 master weights, any optimizer's cost)
 DEEPSPEED: dict[str, dict[str, Callable[[int], float]]] = {
     "AdamW": {"all phases": lambda P: 8.0},
-    "OneBitAdam": {
-        "warm-up (exact)": lambda P: 8.0,
-        "compression (1-bit momentum)": lambda P: 12.0 + 4.0 / P,
-    },
-    "ZeroOneAdam": {
-        "phase 1, exact steps only": lambda P: 16.0 + 4.0 / P,
-        "phase 1 (1-bit gradients)": lambda P: 16.0 + 4.0 / P,
-        "phase 2 (local steps, 1-bit syncs)": lambda P: 16.0 + 4.0 / P,
-    },
+    # exp_avg and exp_avg_sq, then worker_error (padded size) and server_error (padded size / P) once compressing
+    "OneBitAdam": {"warm-up (exact)": lambda P: 8.0, "compression (1-bit momentum)": lambda P: 12.0 + 4.0 / P},
+    # both moments, both error buffers and momentum_accumulator, all allocated at the first step and kept
+    "ZeroOneAdam": dict.fromkeys(
+        ("phase 1, exact steps only", "phase 1 (1-bit gradients)", "phase 2 (local steps, 1-bit syncs)"),
+        lambda P: 16.0 + 4.0 / P,
+    ),
 }
 STEPS = {"AdamW": 4, "OneBitAdam": 8, "ZeroOneAdam": 18}
 

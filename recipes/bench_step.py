@@ -118,7 +118,7 @@ def main() -> None:
         for name, make in baselines.items():
             timings[name] = time_steps(make(), params, 2, args.steps)
         for name, (cls, kw, before) in PHASES.items():
-            comm = communicator(args.loopback)
+            comm = Communicator._loopback(args.loopback, threaded=True) if args.loopback else None
             timings[name] = time_steps(cls(params, lr=1e-3, communicator=comm, **kw), params, before, args.steps)
             if comm is not None:
                 comm.close()
@@ -126,17 +126,9 @@ def main() -> None:
     print(table(rounds))
 
 
-def communicator(loopback: int) -> Communicator | None:
-    """``loopback`` simulated ranks in this process, or None: the optimizer's own choice (none here)."""
-    return Communicator._loopback(loopback, threaded=True) if loopback else None
-
-
 def table(rounds: list[dict[str, list[float]]]) -> str:
-    """Markdown: each row's median over all rounds, its ratio to AdamW, and the range of the per-round ratios.
-
-    The range shows the machine's noise: a difference between two rows smaller than it is not a
-    measurement.
-    """
+    """Markdown: each row's median over all rounds, its ratio to AdamW, and the range of the per-round ratios
+    (the machine's noise: a difference between two rows smaller than it is not a measurement)."""
     base = "AdamW(foreach=True)"
     lines = [f"| step | median ms | vs {base} | per-round range |", "|---|---:|---:|---:|"]
     reference = statistics.median([t for r in rounds for t in r[base]])

@@ -34,12 +34,8 @@ RUNS = {
 
 
 def _model(n: int) -> torch.nn.Module:
-    """``n`` layers ``Linear(8, 8)``, orthogonal so that activations and gradients keep their norm.
-
-    With torch's default initialisation each layer shrinks its input, and past about 200 layers
-    the output underflows to zero: every gradient is exactly zero, and the optimizers would mask
-    every tensor as never trained, which no real model does.
-    """
+    """``n`` layers ``Linear(8, 8)``, orthogonal so that activations and gradients keep their norm (with torch's
+    default initialisation 200 layers underflow to zero gradients, and every tensor would be masked as untrained)."""
     torch.manual_seed(0)
     layers = [torch.nn.Linear(8, 8, bias=False) for _ in range(n)]
     for layer in layers:

@@ -1,18 +1,12 @@
 """Two-process CPU demo: AdamW vs 1-bit Adam vs 0/1 Adam on a small regression model, over several seeds.
 
-Run (offline, CPU, two processes, about a minute)::
+    torchrun --standalone --nproc_per_node 2 recipes/toy_demo.py   # offline, CPU, about a minute
 
-    torchrun --standalone --nproc_per_node 2 recipes/toy_demo.py
-
-Each rank trains the same MLP on its own data stream with plain DDP (AdamW) and with the
-hf_zeroone DDP hook (OneBitAdam, ZeroOneAdam, with default settings and the run length given by
-``set_run_length``), once per seed (initial weights and data), then
-rank 0 prints a table: the held-out loss as the mean over the seeds and its standard deviation,
-the bytes this rank sent (the package's own count) against an fp32 allreduce of the same
-gradients, and the number of collectives. Bytes and collectives depend on the schedule and the
-model's shapes only: they are the same for every seed and on every machine. A loss is one
-trajectory's end: a last-bit difference (another CPU's SIMD path, another BLAS) sends a 1-bit run
-down another trajectory, so only the mean over seeds, with its spread, is a figure to quote.
+Each rank trains the same MLP on its own data stream with plain DDP (AdamW) and with the hf_zeroone DDP hook
+(OneBitAdam, ZeroOneAdam: default settings, the run length given by ``set_run_length``), once per seed. Rank 0
+prints the held-out loss (mean over the seeds, and its standard deviation), the bytes this rank sent against an fp32
+allreduce of the same gradients, and the collectives. Bytes and collectives are the same for every seed and machine;
+a loss is one trajectory's end, so only the mean over seeds, with its spread, is a figure to quote.
 """
 
 from __future__ import annotations
@@ -48,30 +42,21 @@ def batch(gen: torch.Generator, size: int = 64) -> tuple[torch.Tensor, torch.Ten
     return x, torch.sin(x @ w).unsqueeze(1) + 0.5 * x[:, :1] * x[:, 1:2]
 
 
-def methods(args: argparse.Namespace) -> dict:
-    """Each optimizer as a user first builds it: lr and weight decay, then the run length (no LR warm-up here)."""
-
-    def ours(cls):  # noqa: ANN001, ANN202
-        def build(params):  # noqa: ANN001, ANN202
-            opt = cls(params, lr=args.lr, weight_decay=0.01)
-            opt.set_run_length(args.steps, 0)  # every schedule setting derived from the run length
-            return opt
-
-        return build
-
-    return {
-        "AdamW (DDP, fp32 allreduce)": lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.01),
-        "1-bit Adam + hook": ours(OneBitAdam),
-        "0/1 Adam + hook": ours(ZeroOneAdam),
-    }
+#: each optimizer as a user first builds it: lr and weight decay, then (ours) the run length, no LR warm-up here
+METHODS = {
+    "AdamW (DDP, fp32 allreduce)": torch.optim.AdamW,
+    "1-bit Adam + hook": OneBitAdam,
+    "0/1 Adam + hook": ZeroOneAdam,
+}
 
 
-def train(make_opt, args: argparse.Namespace, seed: int, rank: int, world: int, bar) -> dict:  # noqa: ANN001
+def train(cls: type, args: argparse.Namespace, seed: int, rank: int, world: int, bar) -> dict:  # noqa: ANN001
     model = make_model(args.hidden, seed)
     ddp = DDP(model)
-    opt = make_opt(ddp.parameters())
-    hooked = not isinstance(opt, torch.optim.AdamW)
+    opt = cls(ddp.parameters(), lr=args.lr, weight_decay=0.01)
+    hooked = cls is not torch.optim.AdamW
     if hooked:
+        opt.set_run_length(args.steps, 0)  # every schedule setting derived from the run length
         register_zeroone_hook(ddp, opt)
     gen = torch.Generator().manual_seed(1000 * (seed + 1) + rank)
     start = time.perf_counter()
@@ -139,8 +124,8 @@ def main() -> None:
         bar = tqdm(total=len(seeds) * 3 * args.steps, desc="toy demo", unit="step", leave=False)
     rows: dict[str, list[dict]] = {}
     for seed in seeds:
-        for name, make_opt in methods(args).items():
-            rows.setdefault(name, []).append(train(make_opt, args, seed, rank, world, bar))
+        for name, cls in METHODS.items():
+            rows.setdefault(name, []).append(train(cls, args, seed, rank, world, bar))
     if rank == 0:
         bar.close()
         numel = sum(p.numel() for p in make_model(args.hidden, 0).parameters())

@@ -1,1 +1,1 @@
-"""The link benchmark of ``recipes/benchmark.py``: ``netns`` (the link), ``measure`` (one rank), ``report``, ``cli``."""
+"""The link benchmark of ``recipes/benchmark.py``: ``netns`` (the link), ``measure`` (one rank), ``cli`` (the rest)."""

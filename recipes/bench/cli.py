@@ -17,6 +17,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from suite.report import figure
+
 from bench.measure import METHODS, prepare_text_blocks
 from bench.netns import NetNamespace, netns_unavailable_reason, parse_rate
 
@@ -206,39 +208,30 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def make_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
     """Throughput against link rate per method; loss against cumulative bytes per rank on the slowest link."""
-    import matplotlib.pyplot as plt
-
-    plt.switch_backend("Agg")
-
     configs, rates = report["configs"], [c["rate"] for c in report["configs"]]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, title in zip(axes, ("whole run", "main phase")):
-        for m in dict.fromkeys(m for c in configs for m in c["methods"]):
-            runs = [c["methods"].get(m) for c in configs]
-            parts = [s and (s["whole_run"] if title == "whole run" else s["phases"][s["main_phase"]]) for s in runs]
-            ys = [float("nan") if not p or p["samples_per_s"] is None else p["samples_per_s"] for p in parts]
-            ax.plot(range(len(rates)), ys, marker="o", label=METHODS[m])
-        ax.set(xticks=range(len(rates)), xticklabels=rates, xlabel="link rate (tc tbf on the namespace loopback)",
-               ylabel="samples/s (all ranks)", title=f"throughput, {title}")  # fmt: skip
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "throughput_vs_rate.png", dpi=110)
+    with figure(out_dir / "throughput_vs_rate.png", 1, 2, figsize=(11, 4.2)) as (_, axes):
+        for ax, title in zip(axes, ("whole run", "main phase")):
+            for m in dict.fromkeys(m for c in configs for m in c["methods"]):
+                runs = [c["methods"].get(m) for c in configs]
+                parts = [s and (s["whole_run"] if title == "whole run" else s["phases"][s["main_phase"]]) for s in runs]
+                ys = [float("nan") if not p or p["samples_per_s"] is None else p["samples_per_s"] for p in parts]
+                ax.plot(range(len(rates)), ys, marker="o", label=METHODS[m])
+            ax.set(xticks=range(len(rates)), xticklabels=rates, xlabel="link rate (tc tbf on the namespace loopback)",
+                   ylabel="samples/s (all ranks)", title=f"throughput, {title}")  # fmt: skip
+            ax.grid(alpha=0.3)
+        axes[1].legend(fontsize=7)
     slowest = min(configs, key=lambda c: parse_rate(c["rate"]))
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
     basis = "wire" if any(s["curves"]["wire_bytes_cum_per_rank"] for s in slowest["methods"].values()) else "accounted"
-    for m, s in slowest["methods"].items():
-        xs = s["curves"]["wire_bytes_cum_per_rank"] or s["curves"]["accounted_bytes_cum_per_rank"]
-        pts = [(x, y) for x, y in zip(xs, s["curves"]["loss"]) if x > 0]
-        if pts and m != "nocomm":
-            ax.plot(*zip(*pts), marker=".", label=METHODS[m])
-    ax.set(xscale="log", xlabel=f"cumulative {basis} bytes per rank (link {slowest['rate']})",
-           ylabel="training loss (mean over ranks)", title="loss vs bytes sent")  # fmt: skip
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "loss_vs_bytes.png", dpi=110)
-    plt.close("all")
+    with figure(out_dir / "loss_vs_bytes.png", figsize=(6.5, 4.2)) as (_, ax):
+        for m, s in slowest["methods"].items():
+            xs = s["curves"]["wire_bytes_cum_per_rank"] or s["curves"]["accounted_bytes_cum_per_rank"]
+            pts = [(x, y) for x, y in zip(xs, s["curves"]["loss"]) if x > 0]
+            if pts and m != "nocomm":
+                ax.plot(*zip(*pts), marker=".", label=METHODS[m])
+        ax.set(xscale="log", xlabel=f"cumulative {basis} bytes per rank (link {slowest['rate']})",
+               ylabel="training loss (mean over ranks)", title="loss vs bytes sent")  # fmt: skip
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
     return ["throughput_vs_rate.png", "loss_vs_bytes.png"]
 
 

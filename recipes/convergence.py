@@ -4,9 +4,8 @@
     python recipes/convergence.py --output_dir outputs/convergence
     python recipes/convergence.py --workloads clm_lengths --output_dir outputs/convergence_lengths
 
-Workloads: ``finetune`` (MiniLM via ``ZeroOneTrainer``, one run per seed of ``--finetune_seeds``), ``clm`` and
-``mlm`` (pre-training on ``pretrain.py``'s corpus), ``lsq`` (least squares, freeze at step 200) and ``clm_lengths``
-(``clm`` at each of ``--clm_lengths`` on each of ``--length_seeds``). Writes ``results.md``, ``results.json``,
+Workloads: ``finetune`` (MiniLM via ``ZeroOneTrainer``), ``clm`` and ``mlm`` (``pretrain.py``'s corpus), ``lsq``
+(least squares) and ``clm_lengths`` (``clm`` at several run lengths). Writes ``results.md``, ``results.json``,
 ``<workload>.png`` and ``runs/<row>/seed<S>/<optimizer>/`` into ``--output_dir``; a run whose directory holds the
 result of the same spec is not run again (``--rerun`` forces it). ``--quick``: a smoke test.
 """

@@ -1,13 +1,10 @@
 #!/usr/bin/env python
 """Pre-train a small BERT (masked LM) or GPT-2 (causal LM) with AdamW, 1-bit Adam or 0/1 Adam.
 
-A custom Accelerate training loop using the hf_zeroone plugin (``prepare_zeroone``). The model is
-built from a config (no weights to download). Data: any ``datasets`` text dataset
-(``--dataset_name``), local text files (``--train_file``), or, by default, an embedded offline
-corpus: the docstrings of this Python's standard library, read from its source files with
-``ast`` (nothing is imported or downloaded; the text is Python's own, PSF-licensed, and is not
-stored in this repository). A byte-level BPE tokenizer is trained on the corpus when no
-``--tokenizer_name`` is given.
+A custom Accelerate training loop using the hf_zeroone plugin (``prepare_zeroone``), on a model built from a config
+(no weights to download). Data: a ``datasets`` text dataset (``--dataset_name``), local text files (``--train_file``)
+or, by default, the docstrings of this Python's standard library, parsed with ``ast`` (nothing imported or
+downloaded, nothing stored here); a byte-level BPE tokenizer is trained on them unless ``--tokenizer_name`` is given.
 
 Two CPU processes, offline, a few minutes::
 
@@ -139,21 +136,14 @@ def build_tokenizer(args: PretrainArguments, texts: list[str], cache: Path):
         return PreTrainedTokenizerFast.from_pretrained(str(cache))
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "<|endoftext|>"]
+    roles = dict(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    roles.update(bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    specials = list(dict.fromkeys(roles.values()))  # the first token ids, in this order
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=args.vocab_size, special_tokens=specials))
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-        bos_token="<|endoftext|>",
-        eos_token="<|endoftext|>",
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **roles)
     fast.save_pretrained(str(cache))
     return fast
 

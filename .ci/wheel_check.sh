@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build an sdist and a wheel, install the wheel into a fresh virtual environment outside the
 # repository, and run each README snippet (examples/*.py) from a temporary folder on two CPU
-# processes, checking what it prints. Called by .ci/run.
+# processes, checking what it prints, and the planner. Called by .ci/run.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
@@ -28,4 +28,7 @@ check trainer.txt "'comm/bytes_total'" "'comm/compression_ratio'" "'comm/hook': 
 ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
     --dynamo_backend no accelerate_loop.py > accelerate.txt 2>&1 || { tail -n 40 accelerate.txt; exit 1; }
 check accelerate.txt "epoch 2: " " bytes sent" "replicas in sync: True"
+python -m hf_zeroone.plan --model bert-tiny --batch-size 2 --seq-len 16 --repeats 1 --steps 1000 > plan.txt 2>&1 \
+    || { tail -n 40 plan.txt; exit 1; }
+check plan.txt "| 1-bit Adam + hook |" "1-bit Adam is faster than DDP fp32 below"
 echo "wheel check: the wheel installs and runs the README snippets outside the repository"

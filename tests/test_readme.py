@@ -101,8 +101,9 @@ def _commands(markdown: str) -> list[str]:
 
 @cache
 def _help(script: str) -> str:
+    target = ["-m", script] if not script.endswith(".py") else [script]  # a script, or a module of the package
     proc = subprocess.run(
-        [sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120,
+        [sys.executable, *target, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
     )  # fmt: skip
     assert proc.returncode == 0, f"{script} --help failed:\n{proc.stderr[-3000:]}"
@@ -122,6 +123,8 @@ def _check_command(command: str, extras: set[str]) -> None:
     scripts = [w for w in words if w.endswith(".py")]
     for script in scripts:
         assert (REPO / script).is_file(), f"{command!r}: {script} does not exist"
+    if "-m" in words and words[words.index("-m") + 1].startswith("hf_zeroone"):
+        scripts = [words[words.index("-m") + 1]]  # python -m hf_zeroone.plan: its flags are checked too
     if not scripts or scripts[0].startswith("examples/"):
         return  # python -m pytest, or an example (they take no flags)
     listed = _help(scripts[0])

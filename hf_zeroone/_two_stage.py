@@ -69,22 +69,22 @@ def _float8_chunk(sizes: Sequence[int], world_size: int) -> int:
     return -(-blocks // world_size) * FLOAT8_BLOCK
 
 
-def _zero_masked(t: Tensor, layout: ChunkLayout, start: int = 0, unless: Tensor | None = None) -> None:
+def _zero_masked(t: Tensor, layout: ChunkLayout, start: int = 0, only_if: Tensor | None = None) -> None:
     """Zero the masked elements of flat ``t``, which holds layout positions ``start ..``.
 
     Without caller masks only the padding at the end is masked: zero that tail instead of
     multiplying the whole vector by the mask (one pass over the data saved, five times a call).
-    ``unless``: a 0-dim bool tensor; where it is true the tail is left as it is (a NaN result
+    ``only_if``: a 0-dim bool tensor; where it is false the tail is left as it is (a NaN result
     stays NaN everywhere). Multiplying by the mask keeps a NaN anyway.
     """
     if layout.fully_unmasked:
         first_pad = layout.numel - start
         if first_pad < t.numel():
             tail = t[max(first_pad, 0) :]
-            if unless is None:
+            if only_if is None:
                 tail.zero_()
             else:
-                tail.masked_fill_(~unless, 0.0)
+                tail.masked_fill_(only_if, 0.0)
     else:
         t.mul_(layout.mask[start : start + t.numel()])
 
@@ -147,8 +147,9 @@ def compressed_allreduce(
     z = _server_sum(recv, nb, scaled, bounds, server_error, y.view(p, c), layout, k * c)
     s = segment_scales(z, bounds, layout.chunk_segment_counts(k))
     out_row[:nb] = pack_signs(z)
-    s.masked_fill_(~ok, math.nan)
-    out_row[:nb].masked_fill_(~ok, 0)
+    bad = ~ok
+    s.masked_fill_(bad, math.nan)
+    out_row[:nb].masked_fill_(bad, 0)
     out_row[nb : nb + sb] = s.view(torch.uint8)
     if q:
         out_row[nb + sb :] = _lane_mean(recv[:, nb + sb :], p, q)
@@ -166,7 +167,7 @@ def compressed_allreduce(
     if q:
         _lane_back(exact, gathered[:, nb + sb :])
     result = decompress(gathered[:, :nb], server_scales, layout.bounds, out=y)
-    _zero_masked(result, layout, unless=~ok)  # a bad step's result stays NaN everywhere
+    _zero_masked(result, layout, only_if=ok)  # a bad step's result stays NaN everywhere
     return result
 
 

@@ -35,6 +35,7 @@ from hf_zeroone._tensors import (
     div_scalar,
     div_scalar_,
     float32_norms,
+    moved,
     mul_scalar,
     mul_scalar_,
     per_tensor_operand,
@@ -366,11 +367,11 @@ def norm_proxy_factors(
     if not views:
         return []
     norms = float32_norms(views) if norms is None else norms
-    mean_sq = mean_sq_norms.to(device=norms.device, dtype=torch.float32)
+    mean_sq = moved(mean_sq_norms, norms.device, torch.float32)
     root = mean_sq.sqrt()
     ratio = root / norms  # inf for a subnormal norm: such a view is left as it is too
     ok = (norms > 0) & (mean_sq > 0) & torch.isfinite(norms) & torch.isfinite(ratio)
-    factors = torch.where(ok, ratio, torch.ones_like(norms))
+    factors = torch.where(ok, ratio, 1.0)
     handed = torch.where(ok, root, norms)
     factor_list = list(factors.unbind())
     apply_per_tensor("mul", views, factor_list, in_place=True)

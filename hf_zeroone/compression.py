@@ -192,9 +192,9 @@ def _segments(x: Tensor, bounds: Sequence[int]) -> list[Tensor]:
 #: launch) per segment, and the two costs meet near this length (``recipes/bench_kernels.py``
 #: times both)
 EXPAND_BELOW = 1 << 19
-#: per (bounds, device): the segment lengths, on the device (see _expanded)
-_LENGTHS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
-_LENGTHS_KEPT = 1024  # layouts change rarely (DDP's bucket rebuild, a new mask); a bound on the cache
+#: per (bounds, device): the segment starts inside the vector and as many ones, on the device (see _expanded)
+_STARTS: dict[tuple[tuple[int, ...], torch.device], tuple[Tensor, Tensor]] = {}
+_STARTS_KEPT = 1024  # layouts change rarely (DDP's bucket rebuild, a new mask); a bound on the cache
 
 
 def _expands(bounds: Sequence[int]) -> bool:
@@ -212,21 +212,28 @@ def _expands(bounds: Sequence[int]) -> bool:
 def _expanded(scales: Tensor, bounds: Sequence[int]) -> Tensor:
     """``scales[j]`` at every element of segment ``j``: a flat tensor of ``bounds[-1]`` elements.
 
-    One ``repeat_interleave`` by the segment lengths, whatever the number of segments (empty
-    segments repeat nothing), linear in the elements on every device. Its output size is given,
-    so a GPU needs no host read. The lengths reach the device once per layout, through pinned
-    memory (no host wait).
+    A few operations whatever the number of segments: a 1 at each segment start inside the
+    vector (an empty segment's start adds to the next one's; empty last segments have none), a
+    running sum that gives each element its segment's index, and a gather of the scales. Linear
+    in the elements on every device. The starts reach the device once per layout, through pinned
+    memory (no host wait). (A ``repeat_interleave`` by the segment lengths is one call, but on
+    the CPU it is slower and its index takes 8 bytes per element.)
     """
     key = (tuple(bounds), scales.device)
-    lengths = _LENGTHS.get(key)
-    if lengths is None:
-        if len(_LENGTHS) >= _LENGTHS_KEPT:
-            _LENGTHS.clear()
-        host = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], dtype=torch.int64)
+    dtype = torch.int32 if bounds[-1] < 2**31 else torch.int64
+    cached = _STARTS.get(key)
+    if cached is None:
+        if len(_STARTS) >= _STARTS_KEPT:
+            _STARTS.clear()
+        host = torch.tensor([b for b in bounds[1:-1] if b < bounds[-1]], dtype=torch.int64)
         if scales.device.type == "cuda":
             host = host.pin_memory()
-        lengths = _LENGTHS[key] = host.to(scales.device, non_blocking=True)
-    return torch.repeat_interleave(scales, lengths, output_size=bounds[-1])
+        starts = host.to(scales.device, non_blocking=True)
+        cached = _STARTS[key] = (starts, torch.ones(starts.numel(), dtype=dtype, device=scales.device))
+    starts, ones = cached
+    index = torch.zeros(bounds[-1], dtype=dtype, device=scales.device)
+    index.index_add_(0, starts, ones)
+    return scales.index_select(0, index.cumsum_(0))
 
 
 def _check_bounds(x: Tensor, scales_or_counts: Tensor, bounds: Sequence[int]) -> None:

@@ -11,6 +11,7 @@ sends. PowerSGD's arithmetic is timed as torch's hook runs it, in a one-rank pro
 from __future__ import annotations
 
 import functools
+import gc
 import statistics
 import time
 import warnings
@@ -209,6 +210,8 @@ def _powersgd_seconds(params: list[torch.Tensor], repeats: int, device: torch.de
                 seconds.append(time.perf_counter() - start)
             if i >= 3:
                 differences.append(seconds[1] - seconds[0])
+        del plain, hooked, state  # DDP's reducers go before their process group
+        gc.collect()
     finally:
         if own_group:
             dist.destroy_process_group()

@@ -6,12 +6,13 @@ import atexit
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
+
+import hf_zeroone.plan
 
 
 def parse_rate(label: str) -> float:
@@ -19,10 +20,10 @@ def parse_rate(label: str) -> float:
     label = label.strip().lower()
     if label in ("unlimited", "none", "inf", "host-loopback"):
         return math.inf
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", label)
-    if not m:
-        raise SystemExit(f"--rates: cannot parse {label!r}; use e.g. unlimited, 1gbit, 100mbit, 500kbit")
-    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+    try:
+        return hf_zeroone.plan.parse_rate(label)
+    except ValueError:
+        raise SystemExit(f"--rates: cannot parse {label!r}; use e.g. unlimited, 1gbit, 100mbit, 500kbit") from None
 
 
 def run_cmd(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:

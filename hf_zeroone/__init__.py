@@ -1,4 +1,4 @@
-"""hf_zeroone: 1-bit Adam and 0/1 Adam for PyTorch DDP and the Hugging Face stack.
+"""hf_zeroone: 1-bit Adam, 0/1 Adam and 1-bit DiLoCo for PyTorch DDP and the Hugging Face stack.
 
 ``import hf_zeroone`` imports torch only; the Hugging Face integrations live in
 :mod:`hf_zeroone.integrations` and are imported on first use.
@@ -6,11 +6,12 @@
 
 from hf_zeroone.comm import CommStats, Communicator
 from hf_zeroone.compression import ChunkLayout
-from hf_zeroone.ddp_hook import ZeroOneHookState, register_zeroone_hook, zeroone_hook
+from hf_zeroone.ddp_hook import ZeroOneHookState, local_gradients_hook, register_zeroone_hook, zeroone_hook
 from hf_zeroone.optim import (
     CompressedAdamBase,
     DeepSpeedConfigNote,
     OneBitAdam,
+    OneBitDiLoCo,
     StepKind,
     ZeroOneAdam,
     from_deepspeed_config,
@@ -38,6 +39,7 @@ __all__ = [
     "CompressedAdamBase",
     "DeepSpeedConfigNote",
     "OneBitAdam",
+    "OneBitDiLoCo",
     "StepKind",
     "ZeroOneAdam",
     "ZeroOneHookState",
@@ -46,6 +48,7 @@ __all__ = [
     "ZeroOneTrainingArguments",
     "__version__",
     "from_deepspeed_config",
+    "local_gradients_hook",
     "prepare_zeroone",
     "recommended_freeze_step",
     "recommended_local_steps",

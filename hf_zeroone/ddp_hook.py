@@ -76,8 +76,9 @@ from hf_zeroone._iterations import known as known_passes
 from hf_zeroone._tensors import non_finite_flag
 from hf_zeroone.optim import CompressedAdamBase, StepKind
 from hf_zeroone.optim._flat import consecutive_views
+from hf_zeroone.optim.onebit_diloco import OneBitDiLoCo
 
-__all__ = ["ZeroOneHookState", "register_zeroone_hook", "zeroone_hook"]
+__all__ = ["ZeroOneHookState", "local_gradients_hook", "register_zeroone_hook", "zeroone_hook"]
 
 
 @dataclass
@@ -250,12 +251,20 @@ def _agree_on_overflow(opt: CompressedAdamBase, buffer: Tensor) -> torch.futures
     return fut.then(mark)
 
 
+def local_gradients_hook(state: None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """:class:`~hf_zeroone.optim.OneBitDiLoCo`'s hook: every rank keeps its own gradients, nothing is sent."""
+    return _done(bucket.buffer())
+
+
 def register_zeroone_hook(
     ddp_model: DistributedDataParallel,
-    optimizer: CompressedAdamBase,
+    optimizer: "CompressedAdamBase | OneBitDiLoCo",
     grad_scaler: "torch.amp.GradScaler | None" = None,
-) -> ZeroOneHookState:
+) -> "ZeroOneHookState | None":
     """Register :func:`zeroone_hook` on ``ddp_model`` for ``optimizer``; returns the hook state.
+
+    For :class:`~hf_zeroone.optim.OneBitDiLoCo` it registers :func:`local_gradients_hook`
+    (backward sends nothing; the optimizer syncs the parameters itself) and returns ``None``.
 
     Pass the ``grad_scaler`` of fp16 mixed precision (see :class:`ZeroOneHookState`).
 
@@ -266,9 +275,9 @@ def register_zeroone_hook(
         raise TypeError(
             f"register_zeroone_hook needs a torch DistributedDataParallel model, got {type(ddp_model).__name__}"
         )
-    if not isinstance(optimizer, CompressedAdamBase):
+    if not isinstance(optimizer, (CompressedAdamBase, OneBitDiLoCo)):
         raise TypeError(
-            f"register_zeroone_hook needs a hf_zeroone optimizer (OneBitAdam, ZeroOneAdam), "
+            f"register_zeroone_hook needs a hf_zeroone optimizer (OneBitAdam, ZeroOneAdam, OneBitDiLoCo), "
             f"got {type(optimizer).__name__}"
         )
     if grad_scaler is not None and not callable(getattr(grad_scaler, "is_enabled", None)):
@@ -279,6 +288,13 @@ def register_zeroone_hook(
             "Accelerate's comm_hook, or ours (register_zeroone_hook, prepare_zeroone and ZeroOneTrainer each "
             "register one: call one of them once per model, and no other hook)"
         )
+    if isinstance(optimizer, OneBitDiLoCo):
+        _check_same_params(ddp_model, optimizer.trainable_params(), optimizer.comm.world_size)
+        if grad_scaler is not None:
+            raise ValueError("OneBitDiLoCo does not support fp16 with a GradScaler (a step skipped on one rank "
+                             "only would put the ranks' syncs on different iterations); train in bf16")  # fmt: skip
+        ddp_model.register_comm_hook(None, local_gradients_hook)
+        return None
     sparse = [
         name
         for name, m in ddp_model.module.named_modules()
@@ -289,20 +305,7 @@ def register_zeroone_hook(
             f"modules {sparse} produce sparse gradients, which 1-bit compression does not support; "
             "build them with sparse=False"
         )
-    model_params = {id(p) for p in ddp_model.parameters() if p.requires_grad}
-    opt_params = {id(p) for _, p in optimizer.trainable_params()}
-    if model_params != opt_params:
-        raise ValueError(
-            f"the optimizer manages {len(opt_params)} trainable parameters and the DDP model has "
-            f"{len(model_params)} ({len(model_params - opt_params)} of the model's are missing from the "
-            "optimizer); build the optimizer from ddp_model.parameters() (or the same parameter groups)"
-        )
-    ddp_world = dist.get_world_size(ddp_model.process_group)
-    if ddp_world != optimizer.comm.world_size:
-        raise ValueError(
-            f"DDP runs on {ddp_world} ranks but the optimizer communicates over {optimizer.comm.world_size}; "
-            "pass the DDP process group to the optimizer (process_group=...)"
-        )
+    _check_same_params(ddp_model, [p for _, p in optimizer.trainable_params()], optimizer.comm.world_size)
     state = ZeroOneHookState(optimizer, grad_scaler=grad_scaler)
     ddp_model.register_comm_hook(state, zeroone_hook)
     optimizer.hook_checks_replicas = True
@@ -311,3 +314,21 @@ def register_zeroone_hook(
         forget_results_on_next_backward(lambda: setattr(optimizer, "communicated_step", None))
     )
     return state
+
+
+def _check_same_params(ddp_model: DistributedDataParallel, params: list, world_size: int) -> None:
+    """The optimizer manages exactly the model's trainable parameters, over a group of DDP's size."""
+    model_params = {id(p) for p in ddp_model.parameters() if p.requires_grad}
+    opt_params = {id(p) for p in params}
+    if model_params != opt_params:
+        raise ValueError(
+            f"the optimizer manages {len(opt_params)} trainable parameters and the DDP model has "
+            f"{len(model_params)} ({len(model_params - opt_params)} of the model's are missing from the "
+            "optimizer); build the optimizer from ddp_model.parameters() (or the same parameter groups)"
+        )
+    ddp_world = dist.get_world_size(ddp_model.process_group)
+    if ddp_world != world_size:
+        raise ValueError(
+            f"DDP runs on {ddp_world} ranks but the optimizer communicates over {world_size}; "
+            "pass the DDP process group to the optimizer (process_group=...)"
+        )

@@ -26,6 +26,7 @@ from suite.launch import code_version, parse, run  # noqa: E402
 from suite.report import LABELS, figure  # noqa: E402
 
 HF_ZEROONE = ("onebit_adam", "zeroone_adam")
+BYTES_STEPS = 2000  # the run length of --shape bytes
 #: the cheap 0/1 Adam points that the grid also runs with exact (fp32) messages
 DIAGNOSED = (
     "0/1 Adam paper phase 1 freeze 2.5% var scaler 4 gap 64 lr x2",
@@ -44,14 +45,50 @@ class FrontierArguments:
     batch_size: int = arg(8, "Sequences per rank and step.")
     seq_len: int = arg(32, "Tokens per sequence.")
     seed: int = arg(0, "Initialisation, data order and masks.")
+    shape: str = arg(
+        "small",
+        "small: the sizes above; bytes: a GPT-2 of 262 tokens (characters and a few merges), width 128, "
+        "sequences of 128, batches of 16, 2,000 steps, and its own grid.",
+    )
     quick: bool = arg(False, "Tiny sizes and a short grid (smoke test).")
     points: str = arg("", "Only these points, ';'-separated names as in the table (default: all).")
     timeout: int = arg(1800, "Seconds one run may take before it is killed.")
 
 
+def bytes_grid(t: int) -> list[tuple[str, str, float, dict]]:
+    """The second workload's points: AdamW's learning rates, 1-bit and 0/1 Adam's defaults and cheap settings,
+    DiLoCo over H and outer learning rates, DeMo, post-local SGD and 1-bit DiLoCo."""
+    ob, zo = "onebit_adam", "zeroone_adam"
+    points = [(f"adamw lr x{m:g}", "adamw", m, {}) for m in (0.5, 1, 2, 4, 8)]
+    points += [("1-bit Adam default", ob, 1, {}), ("0/1 Adam default", zo, 1, {})]
+    points += [("1-bit Adam lr x2", ob, 2, {}), ("0/1 Adam lr x2", zo, 2, {})]
+    cheap = {"exact_warmup_steps": 0, "var_freeze_step": max(2, t // 40), "var_update_scaler": 4}
+    points += [(f"0/1 Adam paper phase 1 freeze 2.5% var scaler 4 gap {g}", zo, 1, {**cheap, "local_step_clipper": g})
+               for g in (16, 64)]  # fmt: skip
+    points += [(f"diloco H={h} outer lr {o:g}", "diloco", 1, {"sync_every": h, "outer_lr": o})
+               for h in (8, 16, 32, 64, 128) for o in (0.5, 0.7, 1.0)]  # fmt: skip
+    points += [(f"demo top-k {k}", "demo", 1, {"compression_top_k": k}) for k in (8, 32)]
+    points += [(f"post-local SGD period {p}", "post_local_sgd", 1, {"period": p}) for p in (4, 16)]
+    points += [("1-bit DiLoCo default", "onebit_diloco", 1, {})]
+    points += [(f"1-bit DiLoCo H={h}", "onebit_diloco", 1, {"sync_every": h}) for h in (2, 4, 16, 32)]
+    points += [(f"1-bit DiLoCo H=8 outer lr {o:g}", "onebit_diloco", 1, {"outer_lr": o}) for o in (0.5, 1.0)]
+    points += [(f"1-bit DiLoCo H={h} outer lr 1 no momentum", "onebit_diloco", 1,
+                {"sync_every": h, "outer_lr": 1.0, "outer_momentum": 0.0}) for h in (4, 8, 16)]  # fmt: skip
+    points += [("1-bit DiLoCo H=8 outer lr 0.7 momentum 0.5", "onebit_diloco", 1, {"outer_momentum": 0.5})]
+    # the local-step methods at AdamW's 2x (the inner learning rate)
+    points += [(f"1-bit DiLoCo H={h} lr x2", "onebit_diloco", 2, {"sync_every": h}) for h in (8, 16)]
+    points += [("diloco H=16 outer lr 0.7 lr x2", "diloco", 2, {"sync_every": 16, "outer_lr": 0.7})]
+    # a diagnostic: the same syncs averaged exactly in fp32
+    points += [(f"{n} exact messages", m, x, {**s, "exact_messages": True}) for n, m, x, s in points
+               if n in ("1-bit DiLoCo default", "1-bit DiLoCo H=8 outer lr 1 no momentum")]  # fmt: skip
+    return points
+
+
 def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     """``(point name, method, lr multiplier, settings)`` for every point of the plot."""
     t, ob, zo = args.steps, "onebit_adam", "zeroone_adam"
+    if args.shape == "bytes":
+        return select(bytes_grid(BYTES_STEPS), args.points)
     points = [(f"adamw lr x{m:g}", "adamw", m, {}) for m in (0.5, 1, 2, 4, 8)] + [("powersgd", "powersgd", 1, {})]
     points += [(f"diloco H={h}", "diloco", 1, {"sync_every": h}) for h in (8, 32, 128, 500)]
     points += [(f"diloco H=32 inner lr x{m:g}", "diloco", m, {"sync_every": 32}) for m in (0.5, 2, 4)]
@@ -118,20 +155,30 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     if args.quick:
         keep = ("adamw lr x1", "adamw lr x2", "diloco H=8", "demo top-k 8", "post-local SGD period 4")
         points = [p for p in points if p[0] in keep or p[0].endswith("default")]
-    if args.points:
-        wanted = [w.strip() for w in args.points.split(";") if w.strip()]
-        unknown = sorted(set(wanted) - {p[0] for p in points})
-        if unknown:
-            raise ValueError(f"--points: unknown {unknown}; the points are: {'; '.join(p[0] for p in points)}")
-        points = [p for p in points if p[0] in wanted]
-    return points
+    return select(points, args.points)
+
+
+def select(points: list[tuple[str, str, float, dict]], names: str) -> list[tuple[str, str, float, dict]]:
+    """The points named in ``names`` (';'-separated; empty: all)."""
+    if not names:
+        return points
+    wanted = [w.strip() for w in names.split(";") if w.strip()]
+    unknown = sorted(set(wanted) - {p[0] for p in points})
+    if unknown:
+        raise ValueError(f"--points: unknown {unknown}; the points are: {'; '.join(p[0] for p in points)}")
+    return [p for p in points if p[0] in wanted]
 
 
 def suite_arguments(args: FrontierArguments) -> SuiteArguments:
     """The convergence suite's arguments for the frontier's model, data and run length."""
     sizes = dict(lm_hidden_size=args.hidden_size, lm_num_layers=args.num_layers, lm_batch_size=args.batch_size)
     sizes.update(lm_seq_len=args.seq_len, clm_steps=args.steps, mlm_steps=args.steps, lm_lr=args.lr)
-    if args.quick:
+    if args.shape not in ("small", "bytes"):
+        raise ValueError(f"--shape must be small or bytes, got {args.shape!r}")
+    if args.shape == "bytes":  # 262 tokens: the corpus's characters, 6 special tokens, the most frequent merges
+        sizes.update(lm_hidden_size=128, lm_seq_len=128, lm_batch_size=16, clm_steps=BYTES_STEPS, mlm_steps=BYTES_STEPS)
+        sizes.update(corpus_chars=3_000_000, vocab_size=262, lm_eval_sequences=256)
+    elif args.quick:
         sizes.update(lm_hidden_size=32, lm_seq_len=16, lm_batch_size=4, clm_steps=40, mlm_steps=40)
         sizes.update(corpus_chars=150_000, vocab_size=512, lm_eval_sequences=16)
     else:

@@ -13,12 +13,12 @@ pytest.importorskip("accelerate")
 SCRIPT = Path(__file__).parent / "scripts" / "accelerate_train.py"
 
 
-def _launch_two_cpu_ranks(script: Path, out_dir: Path) -> list[dict]:
+def _launch_two_cpu_ranks(script: Path, out_dir: Path, *extra: str) -> list[dict]:
     """Run ``script out_dir`` under ``accelerate launch`` on 2 CPU processes; return each rank's JSON."""
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(out_dir),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(out_dir), *extra,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -31,6 +31,16 @@ def test_accelerate_launch_two_cpu_processes_with_the_hook(tmp_path):
     assert [r["rank"] for r in rows] == [0, 1]
     assert all(r["world"] == 2 and r["hook"] and r["steps"] == 13 and r["bytes"] > 0 for r in rows)
     assert rows[0]["last_kind"] == "onebit_sync"  # replicas agree after every sync
+    assert rows[0]["checksum"] == rows[1]["checksum"]
+
+
+@pytest.mark.slow
+def test_accelerate_launch_with_onebit_diloco(tmp_path):
+    rows = _launch_two_cpu_ranks(SCRIPT, tmp_path, "diloco")
+    # its hook has no state, but it is on DDP: backward sends nothing
+    assert all(r["world"] == 2 and not r["hook"] and r["comm_hook"] and r["steps"] == 13 for r in rows)
+    assert all(r["syncs"] == 4 for r in rows)  # 3 on schedule, the last by synchronize()
+    assert rows[0]["bytes"] > 0 and rows[0]["bytes"] % 4 == 0  # the same bytes each
     assert rows[0]["checksum"] == rows[1]["checksum"]
 
 

@@ -81,3 +81,25 @@ def test_every_diagnosed_point_has_its_exact_messages_twin():
     settings = {p[0]: p[3] for p in frontier.grid(frontier.FrontierArguments(output_dir="unused"))}
     for name in frontier.DIAGNOSED:
         assert settings[f"{name} exact messages"] == {**settings[name], "exact_messages": True}
+
+
+def test_the_byte_level_shape_has_its_own_sizes_and_grid():
+    """``--shape bytes``: the second workload's sizes, run length and grid (DiLoCo over H and outer lr)."""
+    sys.path.insert(0, str(RECIPES))
+    import frontier
+
+    args = frontier.FrontierArguments(output_dir="unused", shape="bytes")
+    suite = frontier.suite_arguments(args)
+    assert (suite.lm_hidden_size, suite.lm_seq_len, suite.lm_batch_size, suite.clm_steps) == (128, 128, 16, 2000)
+    assert suite.vocab_size == 262
+    points = frontier.grid(args)
+    names = [p[0] for p in points]
+    assert len(names) == len(set(names))
+    diloco = {(p[3]["sync_every"], p[3]["outer_lr"]) for p in points if p[1] == "diloco"}
+    assert diloco == {(h, o) for h in (8, 16, 32, 64, 128) for o in (0.5, 0.7, 1.0)}
+    assert {"1-bit DiLoCo default", "1-bit Adam default", "0/1 Adam default", "demo top-k 8"} <= set(names)
+    assert [
+        p[0] for p in frontier.grid(frontier.FrontierArguments(output_dir="u", shape="bytes", points="demo top-k 8"))
+    ] == ["demo top-k 8"]
+    with pytest.raises(ValueError, match="--shape must be small or bytes"):
+        frontier.suite_arguments(frontier.FrontierArguments(output_dir="unused", shape="wide"))

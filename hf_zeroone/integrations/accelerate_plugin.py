@@ -42,7 +42,7 @@ from hf_zeroone.ddp_hook import ZeroOneHookState, register_zeroone_hook
 from hf_zeroone.integrations.checkpoints import read_rank_state, save_rank_state
 from hf_zeroone.integrations.launch import CPU_LAUNCH_HELP, check_distributed_launch, warn_single_process
 from hf_zeroone.integrations.stats import unwrap_optimizer
-from hf_zeroone.optim import CompressedAdamBase
+from hf_zeroone.optim import HF_ZEROONE_OPTIMIZERS, CompressedAdamBase
 
 _UNSUPPORTED = {
     "FSDP": "FSDP shards gradients with reduce-scatter; there is no DDP allreduce to replace",
@@ -73,7 +73,8 @@ def prepare_zeroone(
             processes, as scripts do for Accelerate's scheduler).
 
     Returns:
-        The hook state, or ``None`` in a single process (nothing to communicate; a
+        The hook state, or ``None`` for :class:`~hf_zeroone.OneBitDiLoCo` (its hook has none) and in a single
+        process (nothing to communicate; a
         :class:`~hf_zeroone.integrations.launch.SingleProcessWarning` says so and names the
         launch commands that start several processes).
 
@@ -85,11 +86,12 @@ def prepare_zeroone(
     if dtype in _UNSUPPORTED:
         raise ValueError(f"prepare_zeroone: {_UNSUPPORTED[dtype]} (distributed_type={dtype}); use DDP instead")
     opt = unwrap_optimizer(optimizer)
-    if not isinstance(opt, CompressedAdamBase):
+    if not isinstance(opt, HF_ZEROONE_OPTIMIZERS):
         raise ValueError(
-            f"prepare_zeroone needs a hf_zeroone optimizer (OneBitAdam, ZeroOneAdam), got {type(opt).__name__}"
+            "prepare_zeroone needs a hf_zeroone optimizer (OneBitAdam, ZeroOneAdam, OneBitDiLoCo), "
+            f"got {type(opt).__name__}"
         )
-    if num_training_steps is not None:
+    if num_training_steps is not None and isinstance(opt, CompressedAdamBase):
         opt.set_run_length(num_training_steps, num_warmup_steps)
     world = check_distributed_launch("prepare_zeroone")
     if accelerator.num_processes == 1 and world == 1:
@@ -101,12 +103,13 @@ def prepare_zeroone(
             f"DistributedDataParallel, got {type(model).__name__} (distributed_type={dtype}).\n" + CPU_LAUNCH_HELP
         )
     state = register_zeroone_hook(model, opt, grad_scaler=getattr(accelerator, "scaler", None))
-    state.overflow_check_on_local_steps = accelerator.mixed_precision == "fp16"
+    if state is not None:
+        state.overflow_check_on_local_steps = accelerator.mixed_precision == "fp16"
     _keep_every_rank_state(accelerator, opt)
     return state
 
 
-def _keep_every_rank_state(accelerator: Any, opt: CompressedAdamBase) -> None:
+def _keep_every_rank_state(accelerator: Any, opt: Any) -> None:
     """Make ``accelerator.save_state`` / ``load_state`` keep each rank's optimizer state.
 
     ``save_state`` writes rank 0's optimizer state only, and ``load_state`` gives it to every rank,

@@ -28,7 +28,7 @@ from hf_zeroone.integrations.checkpoints import RANK_OPTIMIZER_NAME, read_rank_s
 from hf_zeroone.integrations.launch import check_distributed_launch, warn_single_process
 from hf_zeroone.integrations.stats import comm_log_entries, unwrap_optimizer
 from hf_zeroone.integrations.training_args import ZeroOneArgumentsMixin, arguments_with_zeroone, build_optimizer
-from hf_zeroone.optim import CompressedAdamBase
+from hf_zeroone.optim import HF_ZEROONE_OPTIMIZERS, CompressedAdamBase
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class CommStatsCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - Trainer's signature
         self.trainer._install_hook()
         opt = unwrap_optimizer(self.trainer.optimizer)
-        if isinstance(opt, CompressedAdamBase) and args.world_size == 1 and opt.comm.world_size == 1:
+        if isinstance(opt, HF_ZEROONE_OPTIMIZERS) and args.world_size == 1 and opt.comm.world_size == 1:
             warn_single_process(type(self.trainer).__name__, opt, "trainer")
         return control
 
@@ -77,7 +77,7 @@ class CommStatsCallback(TrainerCallback):
             self._sync("the end of training" if last else "a checkpoint")
         elif control.should_evaluate:
             opt = unwrap_optimizer(self.trainer.optimizer)
-            if isinstance(opt, CompressedAdamBase) and not opt.in_sync and not self._warned_eval:
+            if isinstance(opt, HF_ZEROONE_OPTIMIZERS) and not opt.in_sync and not self._warned_eval:
                 self._warned_eval = True
                 warnings.warn(
                     f"{type(self.trainer).__name__}: evaluating between two syncs of {type(opt).__name__}'s local "
@@ -89,7 +89,7 @@ class CommStatsCallback(TrainerCallback):
 
     def _sync(self, why: str) -> None:
         opt = unwrap_optimizer(self.trainer.optimizer)
-        if isinstance(opt, CompressedAdamBase) and opt.synchronize():
+        if isinstance(opt, HF_ZEROONE_OPTIMIZERS) and opt.synchronize():
             logger.info("hf_zeroone: replicas synced before %s", why)
 
 
@@ -127,6 +127,7 @@ class ZeroOneTrainerMixin:
                 "on a machine without GPUs pass use_cpu=True (--use_cpu) so Trainer uses DDP over gloo."
             )
         self._hook_state: ZeroOneHookState | None = None
+        self._hooked_optimizer: torch.optim.Optimizer | None = None
         self._stats_at_last_log = CommStats()
         self.add_callback(CommStatsCallback(self))
 
@@ -139,8 +140,8 @@ class ZeroOneTrainerMixin:
         """
         opt = unwrap_optimizer(self.optimizer)
         wanted = "loss" in logs or "train_loss" in logs
-        if isinstance(opt, CompressedAdamBase) and getattr(self.args, "log_comm_stats", True) and wanted:
-            logs.update(comm_log_entries(opt, self._stats_at_last_log, self._hook_state is not None))
+        if isinstance(opt, HF_ZEROONE_OPTIMIZERS) and getattr(self.args, "log_comm_stats", True) and wanted:
+            logs.update(comm_log_entries(opt, self._stats_at_last_log, self._hooked_optimizer is opt))
             self._stats_at_last_log = opt.comm_stats.copy()
         super().log(logs, *args, **kwargs)
 
@@ -189,14 +190,15 @@ class ZeroOneTrainerMixin:
         ]
         groups[0]["weight_decay"], groups[1]["weight_decay"] = self.args.weight_decay, 0.0
         self.optimizer = build_optimizer(self.args, [g for g in groups if g["params"]])
-        self.optimizer.set_run_length(*self._run_length())
+        if isinstance(self.optimizer, CompressedAdamBase):
+            self.optimizer.set_run_length(*self._run_length())
         logger.info("hf_zeroone: %s", type(self.optimizer).__name__)
         return self.optimizer
 
     # ------------------------------------------------------------------ hook
     def _install_hook(self) -> None:
         opt = unwrap_optimizer(self.optimizer)
-        if not isinstance(opt, CompressedAdamBase):
+        if not isinstance(opt, HF_ZEROONE_OPTIMIZERS):
             return
         model = self.model_wrapped
         if not isinstance(model, DistributedDataParallel):
@@ -208,23 +210,24 @@ class ZeroOneTrainerMixin:
                     stacklevel=2,
                 )
             return
-        if self._hook_state is None or self._hook_state.optimizer is not opt:
+        if getattr(self, "_hooked_optimizer", None) is not opt:
             state = register_zeroone_hook(model, opt, grad_scaler=getattr(self.accelerator, "scaler", None))
-            check = getattr(self.args, "overflow_check_on_local_steps", None)
-            state.overflow_check_on_local_steps = bool(self.args.fp16) if check is None else check
-            self._hook_state = state
+            if state is not None:
+                check = getattr(self.args, "overflow_check_on_local_steps", None)
+                state.overflow_check_on_local_steps = bool(self.args.fp16) if check is None else check
+            self._hook_state, self._hooked_optimizer = state, opt
             logger.info("hf_zeroone: communication hook registered on the DDP model")
 
     # ------------------------------------------------------------------ checkpoints
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         opt = unwrap_optimizer(self.optimizer)
-        if isinstance(opt, CompressedAdamBase):
+        if isinstance(opt, HF_ZEROONE_OPTIMIZERS):
             save_rank_state(opt, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         opt = unwrap_optimizer(self.optimizer)
-        if checkpoint is None or not isinstance(opt, CompressedAdamBase):
+        if checkpoint is None or not isinstance(opt, HF_ZEROONE_OPTIMIZERS):
             return super()._load_optimizer_and_scheduler(checkpoint)
         state = read_rank_state(opt, checkpoint)
         if state is None:

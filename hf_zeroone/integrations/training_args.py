@@ -22,10 +22,10 @@ import torch
 from transformers import TrainingArguments
 
 from hf_zeroone.comm import Communicator
-from hf_zeroone.optim import DEFAULT_CHECK_REPLICAS_EVERY, CompressedAdamBase, OneBitAdam, ZeroOneAdam
+from hf_zeroone.optim import DEFAULT_CHECK_REPLICAS_EVERY, OneBitAdam, OneBitDiLoCo, ZeroOneAdam
 from hf_zeroone.optim._deepspeed import deepspeed_optimizer_section, optimizer_kwargs
 
-OPTIMIZER_CHOICES = ("adamw_torch", "onebit_adam", "zeroone_adam")
+OPTIMIZER_CHOICES = ("adamw_torch", "onebit_adam", "zeroone_adam", "onebit_diloco")
 #: ``optim`` values the compressed optimizers stand in for: torch's AdamW (transformers' default, whatever the version)
 _PLAIN_ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf"}
 #: each optimizer's schedule fields (``compression_kwargs``); a field of the other one would be ignored
@@ -34,7 +34,10 @@ _OWN_SCHEDULE_FIELDS = {
     "zeroone_adam": (
         "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "exact_warmup_steps",
     ),
+    "onebit_diloco": ("sync_every", "outer_lr", "outer_momentum"),
 }  # fmt: skip
+#: the fields only 1-bit Adam and 0/1 Adam read
+_ADAM_ONLY = ("exact_step_dtype", "onebit_bias_correction", "overflow_check_on_local_steps")
 _SCHEDULE_FIELDS = tuple(name for names in _OWN_SCHEDULE_FIELDS.values() for name in names)
 #: the fields that only the optimizers built from these arguments read (none with optim_compression='adamw_torch')
 _COMPRESSED_ONLY = (*_SCHEDULE_FIELDS, "exact_step_dtype", "onebit_bias_correction", "check_replicas_every")
@@ -45,7 +48,7 @@ def schedule_fields(optim_compression: str) -> tuple[str, ...]:
     return _OWN_SCHEDULE_FIELDS.get(optim_compression, ())
 
 
-_CLASSES = {"onebit_adam": OneBitAdam, "zeroone_adam": ZeroOneAdam}
+_CLASSES = {"onebit_adam": OneBitAdam, "zeroone_adam": ZeroOneAdam, "onebit_diloco": OneBitDiLoCo}
 
 #: transformers 4.x has a ``warmup_ratio`` field; 5.x dropped it (a ``warmup_steps`` below 1 is the ratio there)
 _BASE_HAS_WARMUP_RATIO = "warmup_ratio" in {f.name for f in fields(TrainingArguments)}
@@ -77,7 +80,7 @@ class ZeroOneArgumentsMixin:
         default="zeroone_adam",
         metadata={
             "help": "Optimizer: 'adamw_torch' (no compression, DDP's fp32 allreduce), 'onebit_adam' "
-            "(1-bit Adam) or 'zeroone_adam' (0/1 Adam).",
+            "(1-bit Adam), 'zeroone_adam' (0/1 Adam) or 'onebit_diloco' (local AdamW steps, 1-bit DiLoCo syncs).",
             "choices": list(OPTIMIZER_CHOICES),
         },
     )
@@ -128,6 +131,11 @@ class ZeroOneArgumentsMixin:
             "help": "0/1 Adam: first steps with exact (uncompressed) communication (default: all steps before "
             "var_freeze_step; 0: the paper's schedule, 1-bit gradients between sparse variance steps)."
         },
+    )
+    sync_every: int = field(default=8, metadata={"help": "1-bit DiLoCo: local AdamW steps between syncs (H)."})
+    outer_lr: float = field(default=0.7, metadata={"help": "1-bit DiLoCo: the outer SGD's learning rate."})
+    outer_momentum: float = field(
+        default=0.9, metadata={"help": "1-bit DiLoCo: the outer SGD's Nesterov momentum (0: none)."}
     )
     exact_step_dtype: str = field(
         default="float8_e4m3fn",
@@ -208,7 +216,8 @@ class ZeroOneArgumentsMixin:
                 warnings.warn(
                     f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: "
                     "optim_compression='adamw_torch' trains with torch's AdamW, without compression. Set "
-                    "optim_compression='onebit_adam' or 'zeroone_adam' for a compressed optimizer, or drop them.",
+                    "optim_compression='onebit_adam', 'zeroone_adam' or 'onebit_diloco' for a compressed optimizer, "
+                    "or drop them.",
                     UserWarning,
                     stacklevel=3,
                 )
@@ -221,6 +230,8 @@ class ZeroOneArgumentsMixin:
             )
         mine = self.compression_kwargs()
         other = [n for n in _SCHEDULE_FIELDS if n not in mine and getattr(self, n) != defaults[n]]
+        if self.optim_compression == "onebit_diloco":
+            other += [n for n in _ADAM_ONLY if getattr(self, n) != defaults[n]]
         if other:
             raise ValueError(
                 f"{', '.join(other)} would be ignored: optim_compression={self.optim_compression!r} takes "
@@ -281,12 +292,14 @@ class ZeroOneArgumentsMixin:
         if self.optim_compression == "adamw_torch":
             return {}
         probe = self._stand_in_optimizer()
+        if not hasattr(probe, "set_run_length"):  # 1-bit DiLoCo: its settings do not depend on the run length
+            return self.compression_kwargs()
         with warnings.catch_warnings():  # the real optimizer's set_run_length says what this one would
             warnings.simplefilter("ignore")
             probe.set_run_length(num_training_steps, self.warmup_for_schedule(num_training_steps))
         return {name: getattr(probe, name) for name in self.compression_kwargs()}
 
-    def _stand_in_optimizer(self) -> CompressedAdamBase:
+    def _stand_in_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer these arguments build, over one stand-in parameter, in this process alone."""
         return build_optimizer(self, [{"params": [torch.nn.Parameter(torch.zeros(1))]}], Communicator.local())
 
@@ -297,17 +310,17 @@ class ZeroOneArgumentsMixin:
 
 def build_optimizer(
     args: ZeroOneArgumentsMixin, groups: list[dict[str, Any]], communicator: Communicator | None = None
-) -> CompressedAdamBase:
+) -> torch.optim.Optimizer:
     """The optimizer ``args`` name, over ``groups`` (``from_deepspeed_config`` was taken into ``args``)."""
-    common = dict(
+    common: dict[str, Any] = dict(
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
-        bias_correction=args.onebit_bias_correction,
         check_replicas_every=args.check_replicas_every,
         communicator=communicator,
-        exact_step_dtype=args.exact_step_dtype,
     )
+    if args.optim_compression != "onebit_diloco":
+        common.update(bias_correction=args.onebit_bias_correction, exact_step_dtype=args.exact_step_dtype)
     return _CLASSES[args.optim_compression](groups, **common, **args.compression_kwargs())
 
 

@@ -10,15 +10,21 @@ from hf_zeroone.optim._schedule import (
     recommended_local_steps,
 )
 from hf_zeroone.optim.onebit_adam import OneBitAdam
+from hf_zeroone.optim.onebit_diloco import OneBitDiLoCo
 from hf_zeroone.optim.zeroone_adam import ZeroOneAdam
 
+#: every optimizer of the package: what the DDP hook, the Trainer and the Accelerate plugin take
+HF_ZEROONE_OPTIMIZERS = (CompressedAdamBase, OneBitDiLoCo)
+
 __all__ = [
+    "HF_ZEROONE_OPTIMIZERS",
     "DEFAULT_CHECK_REPLICAS_EVERY",
     "FREEZE_PERCENT",
     "LOCAL_PHASE_SYNCS",
     "CompressedAdamBase",
     "DeepSpeedConfigNote",
     "OneBitAdam",
+    "OneBitDiLoCo",
     "StepKind",
     "ZeroOneAdam",
     "bytes_per_parameter",

@@ -17,7 +17,7 @@ from hf_zeroone.comm import fp32_allreduce_bytes
 from hf_zeroone.ddp_hook import register_zeroone_hook
 from hf_zeroone.integrations.stats import unwrap_optimizer
 
-OURS = ("onebit_adam", "zeroone_adam")
+OURS = ("onebit_adam", "zeroone_adam", "onebit_diloco")
 
 
 @dataclass

@@ -85,15 +85,15 @@ def code_version() -> str:
 def package_defaults(optimizer: str, trainer: bool = False) -> dict | None:
     """What an hf_zeroone run takes from the package unasked (constructor, schedule, with ``trainer`` the Trainer's
     arguments), recorded in its spec so that a saved run of other defaults is run again; ``None`` for the others."""
-    if optimizer not in ("onebit_adam", "zeroone_adam"):
+    if optimizer not in ("onebit_adam", "zeroone_adam", "onebit_diloco"):
         return None
     import dataclasses
     import inspect
 
-    from hf_zeroone import OneBitAdam, ZeroOneAdam
+    from hf_zeroone import OneBitAdam, OneBitDiLoCo, ZeroOneAdam
     from hf_zeroone.optim import _schedule
 
-    cls = OneBitAdam if optimizer == "onebit_adam" else ZeroOneAdam
+    cls = {"onebit_adam": OneBitAdam, "zeroone_adam": ZeroOneAdam, "onebit_diloco": OneBitDiLoCo}[optimizer]
     params = inspect.signature(cls.__init__).parameters.values()
     out = {p.name: repr(p.default) for p in params if p.default is not inspect.Parameter.empty}
     out.update(FREEZE_PERCENT=_schedule.FREEZE_PERCENT, LOCAL_PHASE_SYNCS=_schedule.LOCAL_PHASE_SYNCS)

@@ -13,7 +13,8 @@ from typing import Any
 
 OPTIMIZERS = ("adamw", "powersgd", "onebit_adam", "zeroone_adam")
 LABELS = {"adamw": "AdamW", "powersgd": "PowerSGD r4 + AdamW", "diloco": "DiLoCo (torchft)", "demo": "DeMo",
-          "post_local_sgd": "post-local SGD", "onebit_adam": "1-bit Adam", "zeroone_adam": "0/1 Adam"}  # fmt: skip
+          "post_local_sgd": "post-local SGD", "onebit_adam": "1-bit Adam", "zeroone_adam": "0/1 Adam",
+          "onebit_diloco": "1-bit DiLoCo"}  # fmt: skip
 GOAL_LOSS = {"clm": 1.01, "mlm": 1.01, "lsq": 1.25}  # mean final loss at most this times AdamW's
 GOAL_EVERY_RUN = 1.02  # the run-length sweep (clm_200, clm_400, ...): every run, at its own seed
 GOAL_ACC_POINTS = 0.5  # fine-tuning accuracy (mean over seeds) at most this many points below AdamW's

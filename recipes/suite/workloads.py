@@ -27,11 +27,12 @@ from pretrain import PretrainArguments, build_model, file_docstrings
 from run_glue import default_model_path
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_zeroone import Communicator, OneBitAdam, ZeroOneAdam, ZeroOneTrainer, ZeroOneTrainingArguments
+from hf_zeroone import Communicator, OneBitAdam, OneBitDiLoCo, ZeroOneAdam, ZeroOneTrainer, ZeroOneTrainingArguments
 from hf_zeroone.integrations.training_args import schedule_fields
 from suite.counting import OURS, HookCounter, Method, attach_communication, comm_totals, progress, run_summary
 from suite.peers import build_peer
 
+CLASSES = {"onebit_adam": OneBitAdam, "zeroone_adam": ZeroOneAdam, "onebit_diloco": OneBitDiLoCo}
 PACKAGES = ("asyncio", "email", "importlib", "logging", "xml")
 
 
@@ -53,14 +54,15 @@ def build_method(spec: dict, model: torch.nn.Module, world: int) -> Method:
     common = {"lr": spec["lr"], "weight_decay": spec["weight_decay"]}
     if spec.get("betas"):
         common["betas"] = tuple(spec["betas"])
-    if spec.get("follow_gradient_scale") is False and name in OURS:
+    if spec.get("follow_gradient_scale") is False and name in ("onebit_adam", "zeroone_adam"):
         common["follow_gradient_scale"] = False
     settings = dict(spec.get("settings") or {})
     if name in OURS:
         if settings.pop("exact_messages", False):
             settings["communicator"] = ExactMessages()
-        opt = (OneBitAdam if name == "onebit_adam" else ZeroOneAdam)(ddp.parameters(), **common, **settings)
-        opt.set_run_length(spec["steps"], spec["warmup_steps"])  # what the README tells a user
+        opt = CLASSES[name](ddp.parameters(), **common, **settings)
+        if name != "onebit_diloco":
+            opt.set_run_length(spec["steps"], spec["warmup_steps"])  # what the README tells a user
     else:
         opt = torch.optim.AdamW(ddp.parameters(), **common)
     counter = HookCounter(world)

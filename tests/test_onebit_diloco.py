@@ -151,6 +151,25 @@ def test_bad_settings_are_refused_before_training():
         OneBitDiLoCo(_regression()[0].parameters()).load_state_dict({"state": {}, "param_groups": []})
 
 
+def test_a_loaded_state_keeps_the_scheduler_driving_the_inner_adamw():
+    """After ``load_state_dict`` (Accelerate calls it when it wraps the optimizer) the learning rate a scheduler
+    sets on ``param_groups`` must still reach the inner AdamW, and ``state`` must be its state."""
+    model, w = _regression()
+    opt = OneBitDiLoCo(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0 if s == 0 else 1.0)  # a warm-up from 0
+    x, y = _batch(torch.Generator().manual_seed(0), w)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.load_state_dict(opt.state_dict())  # groups saved with lr 0
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 1e-2
+    assert opt.inner.param_groups[0] is opt.param_groups[0] and opt.state is opt.inner.state
+    before = _flat(model)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    assert not torch.equal(before, _flat(model))  # it trains
+
+
 def test_one_process_is_plain_adamw():
     model, w = _regression()
     twin, _ = _regression()

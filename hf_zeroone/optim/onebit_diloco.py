@@ -240,6 +240,11 @@ class OneBitDiLoCo(torch.optim.Optimizer):
             raise ValueError("not a OneBitDiLoCo state_dict: it needs the keys 'inner' and 'outer'")
         outer = state_dict["outer"]
         self.inner.load_state_dict(state_dict["inner"])
+        # torch gives the inner AdamW new group dicts and a new state: take their values into the shared
+        # groups, so that a scheduler setting lr on param_groups still drives the inner AdamW
+        for mine, loaded in zip(self.param_groups, self.inner.param_groups):
+            mine.update({k: v for k, v in loaded.items() if k != "params"})
+        self.inner.param_groups, self.state = self.param_groups, self.inner.state
         self.local_steps, self.syncs = outer["local_steps"], outer["syncs"]
         self.steps_since_sync = outer["steps_since_sync"]
         if "anchor" not in outer:

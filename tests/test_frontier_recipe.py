@@ -22,7 +22,7 @@ def test_quick_frontier_runs_every_family_and_counts_their_bytes(tmp_path):
     rows = {r["point"]: r for r in json.loads((tmp_path / "frontier.json").read_text())["results"]["clm"]}
     assert not [p for p, r in rows.items() if "error" in r], rows
     assert {r["method"] for r in rows.values()} == {
-        "adamw", "diloco", "demo", "post_local_sgd", "onebit_adam", "zeroone_adam"
+        "adamw", "diloco", "demo", "post_local_sgd", "onebit_adam", "zeroone_adam", "onebit_diloco"
     }  # fmt: skip
     adamw, diloco = rows["adamw lr x1"], rows["diloco H=8"]
     assert rows["adamw lr x2"]["bytes"] == adamw["bytes"] and adamw["rounds"] == adamw["steps"] == 40
@@ -30,6 +30,8 @@ def test_quick_frontier_runs_every_family_and_counts_their_bytes(tmp_path):
     assert diloco["bytes"] * 8 == adamw["bytes"]
     for point in ("demo top-k 8", "1-bit Adam default", "0/1 Adam default", "post-local SGD period 4"):
         assert 0 < rows[point]["bytes"] < adamw["bytes"], point
+    # the same syncs as DiLoCo H=8, in 1-bit signs and a scale per block: a small fraction of its fp32 bytes
+    assert 0 < rows["1-bit DiLoCo default"]["bytes"] < diloco["bytes"] / 8
     for r in rows.values():
         assert r["replicas_equal"], r["point"]  # every method ends with one model (0/1 Adam: synchronize())
     table = (tmp_path / "frontier.md").read_text()
@@ -70,7 +72,7 @@ def test_the_grid_names_the_exact_step_dtype_of_every_hf_zeroone_point():
         assert name.endswith(" bf16") == (dtype == "bfloat16"), (name, settings)
         assert dtype in (None, "bfloat16", "float32"), (name, settings)  # None: the package default, float8
     defaults = {p[0]: p[3] for p in points if p[0].endswith("default")}
-    assert defaults == {"1-bit Adam default": {}, "0/1 Adam default": {}}
+    assert defaults == {"1-bit Adam default": {}, "0/1 Adam default": {}, "1-bit DiLoCo default": {}}
 
 
 def test_every_diagnosed_point_has_its_exact_messages_twin():
@@ -91,7 +93,7 @@ def test_the_byte_level_shape_has_its_own_sizes_and_grid():
     args = frontier.FrontierArguments(output_dir="unused", shape="bytes")
     suite = frontier.suite_arguments(args)
     assert (suite.lm_hidden_size, suite.lm_seq_len, suite.lm_batch_size, suite.clm_steps) == (128, 128, 16, 2000)
-    assert suite.vocab_size == 262
+    assert suite.vocab_size == 262 and suite.lm_lr == 4e-3  # AdamW's rate there: 1e-3 under-trains it
     points = frontier.grid(args)
     names = [p[0] for p in points]
     assert len(names) == len(set(names))

@@ -7,6 +7,9 @@ from hf_zeroone import OneBitDiLoCo
 
 from _dist import run_ranks
 
+#: the DiLoCo paper's outer step: the outer momentum is state that a resume must restore
+PAPER_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}
+
 
 def _regression(seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor]:
     torch.manual_seed(seed)
@@ -81,22 +84,48 @@ def test_replicas_are_identical_after_every_sync_and_the_hook_path_matches_step(
     assert hooked[0]["bytes"] == 3 * 2 * (chunk // 8 + 4 * segments)
 
 
+def _one_sync(rank, world, passes):
+    """One sync after 4 steps on this rank's half of the data: what the error buffers keep, what was sent."""
+    model, w = _regression()
+    opt = OneBitDiLoCo(model.parameters(), lr=1e-2, sync_every=4, sync_passes=passes)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(4):
+        x, y = _batch(gen, w, rank)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    left = float(opt._flat["worker_error"].norm()) + float(opt._flat["server_error"].norm())
+    return {"left": left, "bytes": opt.comm_stats.bytes_sent, "collectives": opt.comm_stats.collectives}
+
+
+def test_more_passes_send_what_the_first_left_out():
+    """Each pass sends the signs of the error buffers: what a sync leaves for the next shrinks with each."""
+    one, two, four = (run_ranks(_one_sync, 2, k, timeout=120) for k in (1, 2, 4))
+    for k, runs in ((2, two), (4, four)):
+        assert [r["bytes"] for r in runs] == [k * r["bytes"] for r in one]
+        assert [r["collectives"] for r in runs] == [2 * k] * 2
+    for rank in (0, 1):
+        assert four[rank]["left"] < two[rank]["left"] < 0.8 * one[rank]["left"], (one, two, four)
+        assert four[rank]["left"] < 0.5 * one[rank]["left"], (one, four)
+
+
 @pytest.mark.slow
 def test_trains_to_within_a_bound_of_adamw_with_defaults():
     """Each rank sees half of the inputs: a replica that trains alone misses the other half.
 
-    Measured on this task: AdamW 0.195, the defaults 1.15x it, a run that averages once at the end 1.46x.
+    Measured on this task: AdamW 0.195, the defaults (model averaging every 4 steps) 1.03x it, the DiLoCo
+    paper's outer step at H=8 1.15x, a run that averages once at the end 1.55x.
     """
     adamw = run_ranks(_train, 2, "adamw", 300, False, timeout=300)[0]["held_out"]
     diloco = run_ranks(_train, 2, {}, 300, True, timeout=300)[0]["held_out"]
     averaged_once = run_ranks(_train, 2, {"sync_every": 300}, 300, True, timeout=300)[0]["held_out"]
-    assert diloco <= 1.25 * adamw, (diloco, adamw)
+    assert diloco <= 1.10 * adamw, (diloco, adamw)
     assert averaged_once > 1.35 * adamw, (averaged_once, adamw)  # the bound tells syncing from training alone
 
 
 def _resume(rank, world, path, split):
     model, w = _regression()
-    opt = OneBitDiLoCo(model.parameters(), lr=3e-3, sync_every=3)
+    opt = OneBitDiLoCo(model.parameters(), lr=3e-3, sync_every=3, **PAPER_OUTER)
     gen = torch.Generator().manual_seed(100 + rank)
 
     def train(n):
@@ -110,7 +139,7 @@ def _resume(rank, world, path, split):
     if split < 10:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state()}, f"{path}{rank}")
         model, w = _regression(seed=7)  # other weights, loaded back
-        opt = OneBitDiLoCo(model.parameters(), lr=3e-3, sync_every=3)
+        opt = OneBitDiLoCo(model.parameters(), lr=3e-3, sync_every=3, **PAPER_OUTER)
         saved = torch.load(f"{path}{rank}", weights_only=True)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
@@ -143,8 +172,12 @@ def test_replicas_that_start_apart_stop_with_an_error_not_a_silent_drift():
 
 def test_bad_settings_are_refused_before_training():
     params = _regression()[0].parameters()
-    for kwargs, match in [({"sync_every": 0}, "sync_every"), ({"outer_lr": 0.0}, "outer_lr"),
-                          ({"outer_momentum": 1.0}, "outer_momentum")]:  # fmt: skip
+    bad = [
+        ({"sync_every": 0}, "sync_every"),
+        ({"outer_lr": 0.0}, "outer_lr"),
+        ({"outer_momentum": 1.0}, "outer_momentum"),
+    ]
+    for kwargs, match in [*bad, ({"sync_passes": 0}, "sync_passes")]:
         with pytest.raises(ValueError, match=match):
             OneBitDiLoCo(params, **kwargs)
     with pytest.raises(ValueError, match="'inner' and 'outer'"):
@@ -170,6 +203,19 @@ def test_a_loaded_state_keeps_the_scheduler_driving_the_inner_adamw():
     assert not torch.equal(before, _flat(model))  # it trains
 
 
+def test_no_momentum_buffer_without_outer_momentum_and_a_resume_may_switch_it_on():
+    model, w = _regression()
+    opt = OneBitDiLoCo(model.parameters())
+    x, y = _batch(torch.Generator().manual_seed(0), w)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    numel = sum(p.numel() for p in model.parameters())
+    assert opt._flat["momentum"].numel() == 0 and opt._flat["anchor"].numel() == numel
+    with_momentum = OneBitDiLoCo(model.parameters(), **PAPER_OUTER)
+    with_momentum.load_state_dict(opt.state_dict())  # the momentum starts from zero
+    assert torch.equal(with_momentum._flat["momentum"], torch.zeros(numel))
+
+
 def test_one_process_is_plain_adamw():
     model, w = _regression()
     twin, _ = _regression()
@@ -192,10 +238,13 @@ def test_trainer_arguments_refuse_settings_of_another_optimizer(tmp_path):
 
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match="sync_every would be ignored"):
-        ZeroOneTrainingArguments(optim_compression="onebit_adam", sync_every=4, **base)
+        ZeroOneTrainingArguments(optim_compression="onebit_adam", sync_every=8, **base)
     with pytest.raises(ValueError, match="exact_step_dtype would be ignored"):
         ZeroOneTrainingArguments(optim_compression="onebit_diloco", exact_step_dtype="bfloat16", **base)
-    args = ZeroOneTrainingArguments(optim_compression="onebit_diloco", sync_every=4, outer_momentum=0.5, **base)
-    assert args.compression_schedule(1000) == {"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.5}
+    with pytest.raises(ValueError, match="sync_passes would be ignored"):
+        ZeroOneTrainingArguments(optim_compression="zeroone_adam", sync_passes=2, **base)
+    args = ZeroOneTrainingArguments(optim_compression="onebit_diloco", sync_every=8, outer_momentum=0.5, **base)
+    expected = {"sync_every": 8, "outer_lr": 1.0, "outer_momentum": 0.5, "sync_passes": 1}
+    assert args.compression_schedule(1000) == expected
     opt = build_optimizer(args, [{"params": list(_regression()[0].parameters())}])
-    assert isinstance(opt, OneBitDiLoCo) and (opt.sync_every, opt.outer_momentum) == (4, 0.5)
+    assert isinstance(opt, OneBitDiLoCo) and (opt.sync_every, opt.outer_momentum, opt.sync_passes) == (8, 0.5, 1)

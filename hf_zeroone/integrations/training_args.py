@@ -34,7 +34,7 @@ _OWN_SCHEDULE_FIELDS = {
     "zeroone_adam": (
         "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "exact_warmup_steps",
     ),
-    "onebit_diloco": ("sync_every", "outer_lr", "outer_momentum"),
+    "onebit_diloco": ("sync_every", "outer_lr", "outer_momentum", "sync_passes"),
 }  # fmt: skip
 #: the fields only 1-bit Adam and 0/1 Adam read
 _ADAM_ONLY = ("exact_step_dtype", "onebit_bias_correction", "overflow_check_on_local_steps")
@@ -132,10 +132,13 @@ class ZeroOneArgumentsMixin:
             "var_freeze_step; 0: the paper's schedule, 1-bit gradients between sparse variance steps)."
         },
     )
-    sync_every: int = field(default=8, metadata={"help": "1-bit DiLoCo: local AdamW steps between syncs (H)."})
-    outer_lr: float = field(default=0.7, metadata={"help": "1-bit DiLoCo: the outer SGD's learning rate."})
+    sync_every: int = field(default=4, metadata={"help": "1-bit DiLoCo: local AdamW steps between syncs (H)."})
+    outer_lr: float = field(default=1.0, metadata={"help": "1-bit DiLoCo: the outer SGD's learning rate."})
     outer_momentum: float = field(
-        default=0.9, metadata={"help": "1-bit DiLoCo: the outer SGD's Nesterov momentum (0: none)."}
+        default=0.0, metadata={"help": "1-bit DiLoCo: the outer SGD's Nesterov momentum (0: none)."}
+    )
+    sync_passes: int = field(
+        default=1, metadata={"help": "1-bit DiLoCo: 1-bit allreduces per sync, each sending what the last left out."}
     )
     exact_step_dtype: str = field(
         default="float8_e4m3fn",

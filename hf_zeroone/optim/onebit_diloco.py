@@ -2,10 +2,12 @@
 
 DiLoCo (Douillard et al., https://arxiv.org/abs/2311.08105) lets each replica take ``H`` plain
 optimizer steps alone, then averages the *pseudo-gradient*, the distance each replica moved since
-the last sync, and applies it to the last synced parameters with an outer Nesterov SGD. This
-module sends that pseudo-gradient through the package's error-compensated 1-bit allreduce
-(:meth:`hf_zeroone.Communicator.compressed_allreduce_async`) instead of in fp32: about 1/32 of
-the bytes per sync, the compression error carried into the next sync.
+the last sync, and applies it to the last synced parameters with an outer SGD (the paper: Nesterov
+momentum 0.9, learning rate 0.7). This module sends each sync through the package's
+error-compensated 1-bit allreduce (:meth:`hf_zeroone.Communicator.compressed_allreduce_async`)
+instead of in fp32: about 1/32 of the bytes per sync, the compression error carried into the next
+sync. Its defaults average the replicas every 4 steps (outer learning rate 1, no momentum), which
+keeps a run at AdamW's learning rate near AdamW's loss.
 
 The state is flat, one buffer each over all trainable parameters in group order: the parameters
 at the last sync (``anchor``), the outer momentum, and the two error-feedback buffers. The inner
@@ -32,7 +34,7 @@ __all__ = ["OneBitDiLoCo"]
 
 
 class OneBitDiLoCo(torch.optim.Optimizer):
-    r"""Local AdamW steps with 1-bit compressed DiLoCo syncs every ``sync_every`` steps.
+    r"""Local AdamW steps with 1-bit compressed DiLoCo syncs every ``sync_every`` steps (default: model averaging).
 
     Between syncs every rank runs :class:`torch.optim.AdamW` on its own gradients; nothing is
     sent (with DDP, :func:`hf_zeroone.register_zeroone_hook` replaces DDP's allreduce by a hook
@@ -56,16 +58,27 @@ class OneBitDiLoCo(torch.optim.Optimizer):
     After a sync every replica holds bit-identical parameters; the inner AdamW states and the
     outer momentum stay per rank.
 
+    The defaults (``outer_lr=1``, ``outer_momentum=0``) make a sync the average of the replicas'
+    parameters: the method is AdamW whose replicas drift apart for ``sync_every - 1`` steps, and at
+    AdamW's learning rate it ends near AdamW's loss (``docs/diloco.md``). The paper's outer step
+    (``outer_lr=0.7, outer_momentum=0.9``) moves the anchor about :math:`\eta_{\text{out}} / (1 - \mu)`
+    = 7 times each sync's average displacement: it pays at an inner learning rate below AdamW's
+    best and overshoots at AdamW's own.
+
     Args:
         params: parameters or parameter groups, as for :class:`torch.optim.AdamW`.
         lr, betas, eps, weight_decay: the inner AdamW's (its defaults).
         sync_every: inner steps between syncs (``H``).
-        outer_lr: the outer SGD's learning rate (1 with ``outer_momentum=0`` is model averaging).
+        outer_lr: the outer SGD's learning rate (1 with ``outer_momentum=0``, the defaults, is model
+            averaging).
         outer_momentum: the outer SGD's Nesterov momentum (0: none).
         process_group: the data-parallel group (default: the default group, if initialised).
         communicator: a :class:`~hf_zeroone.Communicator` to use instead of a new one.
         scale_every: elements per scale of the 1-bit messages (each parameter's first block starts at
             its first element): each block is sent as signs times its root mean square.
+        sync_passes: 1-bit allreduces per sync. Each pass after the first sends the signs of what the
+            error buffers still hold, so a sync leaves less for the next one, for ``sync_passes`` times
+            the bytes and collectives; it pays where one pass's error is large (with outer momentum).
         check_replicas_every: at the first sync at or after every multiple of this many steps,
             check that the replicas hold bit-identical parameters (0: never); the first step
             checks that they start identical.
@@ -94,19 +107,21 @@ class OneBitDiLoCo(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
-        sync_every: int = 8,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        sync_every: int = 4,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
         process_group: dist.ProcessGroup | None = None,
         communicator: Communicator | None = None,
         check_replicas_every: int = 100,
         scale_every: int = 256,
+        sync_passes: int = 1,
         foreach: bool | None = None,
         fused: bool | None = None,
     ) -> None:
         _check_int("sync_every", sync_every, 1)
         _check_int("check_replicas_every", check_replicas_every, 0)
         _check_int("scale_every", scale_every, 8)
+        _check_int("sync_passes", sync_passes, 1)
         if not (math.isfinite(outer_lr) and outer_lr > 0):
             raise ValueError(f"outer_lr must be a positive number, got {outer_lr}")
         if not 0.0 <= outer_momentum < 1.0:
@@ -120,7 +135,7 @@ class OneBitDiLoCo(torch.optim.Optimizer):
                                        foreach=foreach, fused=fused)  # fmt: skip
         self.state = self.inner.state
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
-        self.check_replicas_every, self.scale_every = check_replicas_every, scale_every
+        self.check_replicas_every, self.scale_every, self.sync_passes = check_replicas_every, scale_every, sync_passes
         self.comm = communicator if communicator is not None else Communicator(process_group)
         self.local_steps = 0  # inner steps taken
         self.syncs = 0
@@ -164,7 +179,8 @@ class OneBitDiLoCo(torch.optim.Optimizer):
         self._layout, self._sizes = layout, sizes
         return {
             "anchor": flat[: layout.numel],
-            "momentum": torch.zeros(layout.numel, dtype=torch.float32, device=device),
+            # none without outer momentum (the default): 4 bytes per parameter saved
+            "momentum": torch.zeros(layout.numel if self.outer_momentum else 0, dtype=torch.float32, device=device),
             "worker_error": torch.zeros(layout.padded, dtype=torch.float32, device=device),
             "server_error": torch.zeros(layout.chunk, dtype=torch.float32, device=device),
         }
@@ -206,7 +222,10 @@ class OneBitDiLoCo(torch.optim.Optimizer):
         if self.outer_momentum > 0:  # this rank's Nesterov step, from its own momentum
             flat["momentum"].mul_(self.outer_momentum).add_(step)
             step.add_(flat["momentum"], alpha=self.outer_momentum)
-        averaged = self.comm.compressed_allreduce(message, flat["worker_error"], flat["server_error"], layout)
+        errors = flat["worker_error"], flat["server_error"]
+        averaged = self.comm.compressed_allreduce(message, *errors, layout)
+        for _ in range(self.sync_passes - 1):  # each further pass sends the signs of what the error buffers hold
+            averaged.add_(self.comm.compressed_allreduce(torch.zeros_like(message), *errors, layout))
         step = averaged[: layout.numel]  # identical on every rank (in message's memory)
         if not bool(torch.isfinite(step).all()):
             raise FloatingPointError(
@@ -251,7 +270,9 @@ class OneBitDiLoCo(torch.optim.Optimizer):
             self._flat = None
             return
         self._flat = self._build()
-        keys = ("anchor", "momentum")
+        keys = ("anchor",)
+        if self.outer_momentum and outer["momentum"].numel():  # else this run's momentum starts from zero
+            keys += ("momentum",)
         if outer["world_size"] == self.comm.world_size:
             keys += ("worker_error", "server_error")
         else:

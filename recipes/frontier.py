@@ -60,7 +60,7 @@ def bytes_grid(t: int) -> list[tuple[str, str, float, dict]]:
     """The second workload's points: AdamW's learning rates, 1-bit and 0/1 Adam's defaults and cheap settings,
     DiLoCo over H and outer learning rates, DeMo, post-local SGD and 1-bit DiLoCo."""
     ob, zo = "onebit_adam", "zeroone_adam"
-    points = [(f"adamw lr x{m:g}", "adamw", m, {}) for m in (0.5, 1, 2, 4, 8)]
+    points = [(f"adamw lr x{m:g}", "adamw", m, {}) for m in (0.25, 0.5, 1, 2, 4)]  # 0.25: the suite's 1e-3
     points += [("1-bit Adam default", ob, 1, {}), ("0/1 Adam default", zo, 1, {})]
     points += [("1-bit Adam lr x2", ob, 2, {}), ("0/1 Adam lr x2", zo, 2, {})]
     cheap = {"exact_warmup_steps": 0, "var_freeze_step": max(2, t // 40), "var_update_scaler": 4}

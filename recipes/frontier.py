@@ -71,8 +71,10 @@ def bytes_grid(t: int) -> list[tuple[str, str, float, dict]]:
     points += [(f"demo top-k {k}", "demo", 1, {"compression_top_k": k}) for k in (8, 32)]
     points += [(f"post-local SGD period {p}", "post_local_sgd", 1, {"period": p}) for p in (4, 16)]
     # 1-bit DiLoCo: its defaults (model averaging every 4 steps) over H, learning rate and passes per sync
-    points += [("1-bit DiLoCo default", "onebit_diloco", 1, {}), ("1-bit DiLoCo lr x2", "onebit_diloco", 2, {})]
+    points += [("1-bit DiLoCo default", "onebit_diloco", 1, {})]
+    points += [(f"1-bit DiLoCo lr x{m}", "onebit_diloco", m, {}) for m in (2, 4)]
     points += [(f"1-bit DiLoCo H={h}", "onebit_diloco", 1, {"sync_every": h}) for h in (2, 8, 16)]
+    points += [("1-bit DiLoCo H=2 lr x2", "onebit_diloco", 2, {"sync_every": 2})]
     points += [("1-bit DiLoCo 2 passes", "onebit_diloco", 1, {"sync_passes": 2})]
     # the DiLoCo paper's outer step (Nesterov momentum 0.9, outer lr 0.7), with 1 and 4 passes per sync
     paper = {"outer_lr": 0.7, "outer_momentum": 0.9}

@@ -81,9 +81,10 @@ def bytes_grid(t: int) -> list[tuple[str, str, float, dict]]:
     points += [(f"1-bit DiLoCo H={h} paper outer", "onebit_diloco", 1, {"sync_every": h, **paper}) for h in (8, 16)]
     points += [(f"1-bit DiLoCo H={h} paper outer 4 passes", "onebit_diloco", 1,
                 {"sync_every": h, **paper, "sync_passes": 4}) for h in (8, 16)]  # fmt: skip
-    # a diagnostic: the same syncs averaged exactly in fp32
+    # diagnostics: the same syncs averaged exactly in fp32; with H=1 the replicas differ only in their AdamW states
+    points += [("1-bit DiLoCo H=1 lr x2", "onebit_diloco", 2, {"sync_every": 1})]
     points += [(f"{n} exact messages", m, x, {**s, "exact_messages": True}) for n, m, x, s in points
-               if n in ("1-bit DiLoCo default", "1-bit DiLoCo H=8 paper outer")]  # fmt: skip
+               if n in ("1-bit DiLoCo default", "1-bit DiLoCo H=8 paper outer", "1-bit DiLoCo H=1 lr x2")]  # fmt: skip
     return points
 
 

@@ -75,6 +75,8 @@ def bytes_grid(t: int) -> list[tuple[str, str, float, dict]]:
     points += [(f"1-bit DiLoCo lr x{m}", "onebit_diloco", m, {}) for m in (2, 4)]
     points += [(f"1-bit DiLoCo H={h}", "onebit_diloco", 1, {"sync_every": h}) for h in (2, 8, 16)]
     points += [("1-bit DiLoCo H=2 lr x2", "onebit_diloco", 2, {"sync_every": 2})]
+    # half the drift between syncs: AdamW's rate inside, the average displacement doubled at each sync
+    points += [("1-bit DiLoCo outer lr 2", "onebit_diloco", 1, {"outer_lr": 2.0})]
     points += [("1-bit DiLoCo 2 passes", "onebit_diloco", 1, {"sync_passes": 2})]
     # the DiLoCo paper's outer step (Nesterov momentum 0.9, outer lr 0.7), with 1 and 4 passes per sync
     paper = {"outer_lr": 0.7, "outer_momentum": 0.9}

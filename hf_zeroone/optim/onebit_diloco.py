@@ -7,7 +7,7 @@ momentum 0.9, learning rate 0.7). This module sends each sync through the packag
 error-compensated 1-bit allreduce (:meth:`hf_zeroone.Communicator.compressed_allreduce_async`)
 instead of in fp32: about 1/32 of the bytes per sync, the compression error carried into the next
 sync. Its defaults average the replicas every 4 steps (outer learning rate 1, no momentum): at
-AdamW's learning rate a run ends 1-2% above AdamW's loss (``docs/diloco.md``).
+AdamW's best learning rate a run ends 0.7-1.2% above AdamW's loss (``docs/diloco.md``).
 
 The state is flat, one buffer each over all trainable parameters in group order: the parameters
 at the last sync (``anchor``), the outer momentum, and the two error-feedback buffers. The inner
@@ -60,7 +60,7 @@ class OneBitDiLoCo(torch.optim.Optimizer):
 
     The defaults (``outer_lr=1``, ``outer_momentum=0``) make a sync the average of the replicas'
     parameters: the method is AdamW whose replicas drift apart for ``sync_every - 1`` steps, and at
-    AdamW's learning rate it ends 1-2% above AdamW's loss (``docs/diloco.md``). The paper's outer step
+    AdamW's best learning rate it ends 0.7-1.2% above AdamW's loss (``docs/diloco.md``). The paper's outer step
     (``outer_lr=0.7, outer_momentum=0.9``) moves the anchor about :math:`\eta_{\text{out}} / (1 - \mu)`
     = 7 times each sync's average displacement: it pays at an inner learning rate below AdamW's
     best and overshoots at AdamW's own.

@@ -154,6 +154,41 @@ def per_tensor_operand(values: Sequence[Tensor], group: Sequence[int], ndim: int
     return torch.stack([values[i] for i in group]).view(-1, *([1] * ndim))
 
 
+def host_index(indices: Sequence[int], device: torch.device) -> Tensor:
+    """An int64 index tensor of host integers on ``device``, copied without waiting for the device's stream."""
+    return torch.tensor(indices, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def rows_by_group(values: Tensor, groups: Sequence[Sequence[int]]) -> list[Tensor]:
+    """The entries of a per-tensor vector for each group of :func:`shape_groups` (of all or some tensors).
+
+    One gather (none where the groups are in order) and one split, not a 0-dim tensor per entry.
+    """
+    order = [i for group in groups for i in group]
+    if len(groups) == 1 and order == list(range(values.numel())):
+        return [values]
+    if not order:
+        return []
+    if order != list(range(values.numel())):
+        values = values.index_select(0, host_index(order, values.device))
+    return list(values.split([len(group) for group in groups]))
+
+
+def in_order(parts: Sequence[tuple[Sequence[int], Tensor]], n: int) -> Tensor:
+    """One vector of ``n`` values from ``(indices, values)`` parts (vectors) that cover ``0 .. n - 1`` once.
+
+    Per-tensor statistics computed one shape group at a time (:func:`shape_groups`) come back as
+    one vector per group; joined here by one concatenation and, where the groups interleave, one
+    indexed copy, not a 0-dim tensor per element.
+    """
+    order = [i for indices, _ in parts for i in indices]
+    values = parts[0][1] if len(parts) == 1 else torch.cat([v for _, v in parts])
+    if order == list(range(n)):
+        return values
+    out = torch.empty_like(values)
+    return out.index_copy_(0, host_index(order, values.device), values)
+
+
 def apply_per_tensor(
     op: str, tensors: Sequence[Tensor], operands: Sequence[Tensor] | Sequence[float], in_place: bool
 ) -> list[Tensor]:
@@ -265,22 +300,28 @@ def layout_order(t: Tensor, like: Tensor) -> Tensor:
 _base_of = operator.attrgetter("_base")
 
 
-def joined(elements: Sequence[Tensor]) -> Tensor:
+def joined(elements: Sequence[Tensor], gather: bool = False) -> Tensor:
     """0-dim tensors as one vector, in order: a view when they are consecutive elements of one, else a stack.
 
     ``unbind`` of a vector makes such elements (a state vector's entries, the per-tensor values a
     collective's result carries); joining them back then costs no copy. A view shares their memory:
-    writing to it writes them.
+    writing to it writes them. With ``gather``, elements of one vector in another order (a DDP
+    bucket's parameters are in reverse) are read by one gather instead of a stack: a copy either way.
     """
     first = elements[0] if elements else None
     base = None if first is None or first.dim() != 0 else first._base
     if base is not None and base.dim() == 1 and base.stride(0) == 1 and base.dtype == first.dtype:
         start, n = elements[0].storage_offset(), len(elements)
         # map() over C methods: much faster than a Python loop over the elements
-        if list(map(Tensor.storage_offset, elements)) == list(range(start, start + n)) and all(
-            map(operator.is_, map(_base_of, elements), repeat(base, n))
-        ):
-            return base.narrow(0, start - base.storage_offset(), n)
+        if all(map(operator.is_, map(_base_of, elements), repeat(base, n))):
+            offsets = list(map(Tensor.storage_offset, elements))
+            if offsets == list(range(start, start + n)):
+                return base.narrow(0, start - base.storage_offset(), n)
+            if gather:
+                origin = base.storage_offset()
+                if offsets == list(range(start, start - n, -1)):  # reversed: DDP's bucket order
+                    return base.narrow(0, start - n + 1 - origin, n).flip(0)
+                return base.index_select(0, host_index([o - origin for o in offsets], base.device))
     return torch.stack(list(elements))
 
 

@@ -160,3 +160,38 @@ def test_per_tensor_operands_applied_by_shape_give_the_multi_tensor_bits():
     few = _calls(T.apply_per_tensor, "mul", small, [torch.tensor(2.0)] * 10, True)
     many = _calls(T.apply_per_tensor, "mul", large, [torch.tensor(2.0)] * 200, True)
     assert many <= few + 2, (few, many)
+
+
+class _Outputs(TorchFunctionMode):
+    """Counts the tensor objects torch calls return (an ``unbind`` of ``n`` rows makes ``n``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        items = out if isinstance(out, (tuple, list)) else [out]
+        self.count += sum(isinstance(item, torch.Tensor) for item in items)
+        return out
+
+
+def test_scale_samples_with_idle_elements_make_no_tensor_per_tensor():
+    """Samples of tensors with idle elements are reduced per shape group: no view per tensor is made.
+
+    The foreach form makes a quotient per tensor; the masked form, taken as soon as one tensor has
+    an idle element, makes a fixed number of tensors whatever the tensor count.
+    """
+    from hf_zeroone.optim._grad_scale import scale_samples
+
+    def outputs(n: int) -> int:
+        dens = [t.abs() + 0.01 for t in _tensors(n, seed=6)]
+        dens[0].view(-1)[:1] = 0.0  # one idle element: the masked form
+        grads = _tensors(n, seed=7)
+        means, counts, idle = sample_statistics(dens)
+        with _Outputs() as mode:
+            scale_samples(grads, dens, means, counts, idle.tolist())
+        return mode.count
+
+    few, many = outputs(30), outputs(120)
+    assert many <= few + 4, f"{few} tensors made for 30 tensors, {many} for 120"

@@ -7,6 +7,7 @@ import torch
 
 from hf_zeroone import OneBitAdam, ZeroOneAdam
 from hf_zeroone._tensors import joined, mul_scalar_
+from hf_zeroone.optim import _grad_scale
 from hf_zeroone.optim._grad_scale import GradientScale
 from hf_zeroone.optim._scalar_vectors import adopt, as_vector
 
@@ -44,6 +45,23 @@ def test_views_in_another_order_or_a_part_join_to_the_right_values(order):
     assert out.tolist() == [10.0 + i for i in order]
     consecutive = order == list(range(order[0], order[0] + len(order)))
     assert (out._base is not None) == consecutive  # a view only where it is one
+
+
+@pytest.mark.parametrize("order", [[3, 2, 1, 0], [2, 1], [1, 3, 0]])
+def test_reading_in_another_order_leaves_the_state_vector_in_place(order):
+    """A DDP bucket reads the factors in reverse: a gather, and the entries stay views of the vector updates write.
+
+    Adopting a new vector on each read would rebuild it on every step, once in the bucket's order
+    (the factors, the noise excess) and once in the parameter group's (the update of ``G``).
+    """
+    states = [{"grad_scale": torch.tensor(float(i + 1))} for i in range(4)]
+    vector = as_vector(states, "grad_scale")
+    read = _grad_scale.factors([states[i] for i in order], 0.999, 5, 0, True)
+    assert read.tolist() == [float(i + 1) for i in order]
+    assert all(st["grad_scale"]._base is vector for st in states)
+    assert as_vector(states, "grad_scale").data_ptr() == vector.data_ptr()
+    vector.add_(1.0)  # the read is a copy: the entries follow the vector, not it
+    assert read.tolist() == [float(i + 1) for i in order]
 
 
 def test_only_0_dim_elements_of_the_same_dtype_join_as_a_view():

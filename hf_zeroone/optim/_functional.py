@@ -38,7 +38,7 @@ from hf_zeroone._tensors import (
     moved,
     mul_scalar,
     mul_scalar_,
-    per_tensor_operand,
+    rows_by_group,
     shape_groups,
 )
 
@@ -87,13 +87,14 @@ def denominators(
     exp_avg_sqs: Sequence[Tensor],
     c2: float,
     eps: float,
-    factors: Sequence[Tensor | None] | None = None,
+    factors: Tensor | Sequence[Tensor | None] | None = None,
     roots: Sequence[Tensor] | None = None,
 ) -> list[Tensor]:
-    """``sqrt(v / c2) + eps`` per tensor; with a factor ``f`` (0-dim): ``sqrt(v) * sqrt(f / c2) + eps``.
+    """``sqrt(v / c2) + eps`` per tensor; with a factor ``f``: ``sqrt(v) * sqrt(f / c2) + eps``.
 
-    ``factors`` rescale a frozen variance (``follow_gradient_scale``, :mod:`._grad_scale`); an entry
-    of ``None`` leaves its tensor unscaled. ``roots``: ``sqrt(v)`` of each tensor, already taken
+    ``factors`` rescale a frozen variance (``follow_gradient_scale``, :mod:`._grad_scale`): one
+    vector (every tensor scaled), or a list of 0-dim tensors where an entry of ``None`` leaves its
+    tensor unscaled. ``roots``: ``sqrt(v)`` of each tensor, already taken
     (:func:`root_denominators`); they become the result, scaled in place.
     """
     exp_avg_sqs = list(exp_avg_sqs)
@@ -103,41 +104,47 @@ def denominators(
             return [roots[i] for i in indices]
         return list(torch._foreach_sqrt([exp_avg_sqs[i] for i in indices]))
 
-    if factors is None or all(f is None for f in factors):
+    if factors is not None and not isinstance(factors, Tensor):
+        scaled = [i for i, f in enumerate(factors) if f is not None]
+        factors = torch.stack([factors[i] for i in scaled]) if scaled else None
+    else:
+        scaled = range(len(exp_avg_sqs))
+    if factors is None:
         out = sqrt_of(range(len(exp_avg_sqs)))
         div_scalar_(out, math.sqrt(c2))
     else:
         out: list[Tensor] = [None] * len(exp_avg_sqs)  # type: ignore[list-item]
-        plain = [i for i, f in enumerate(factors) if f is None]
+        plain = sorted(set(range(len(exp_avg_sqs))) - set(scaled))
         if plain:
             plain_roots = sqrt_of(plain)
             div_scalar_(plain_roots, math.sqrt(c2))
             for i, d in zip(plain, plain_roots):
                 out[i] = d
         # the scaled ones, one call per shape (see shape_groups): sqrt(v) times sqrt(f / c2)
-        for group in shape_groups(exp_avg_sqs, (i for i, f in enumerate(factors) if f is not None)):
-            ndim = exp_avg_sqs[group[0]].dim()
-            multipliers = per_tensor_operand(factors, group, ndim).div(c2).sqrt_()
+        groups = shape_groups([exp_avg_sqs[i] for i in scaled], range(len(scaled)))  # positions in scaled
+        multipliers = rows_by_group(factors.div(c2).sqrt_(), groups)
+        for group, rows in zip(groups, multipliers):
+            members = [scaled[j] for j in group]
             if roots is not None:
-                stacked = torch.stack([roots[i] for i in group])
+                stacked = torch.stack([roots[i] for i in members])
             else:
-                stacked = torch.stack([exp_avg_sqs[i] for i in group]).sqrt_()
-            stacked.mul_(multipliers.to(stacked.dtype))
-            for i, d in zip(group, stacked.unbind()):
+                stacked = torch.stack([exp_avg_sqs[i] for i in members]).sqrt_()
+            stacked.mul_(rows.view(-1, *([1] * (stacked.dim() - 1))).to(stacked.dtype))
+            for i, d in zip(members, stacked.unbind()):
                 out[i] = d
     add_scalar_(out, eps)
     return out
 
 
 def split_denominators(
-    exp_avg_sqs: Sequence[Tensor], c2: float, eps: float, factors: Sequence[Tensor]
+    exp_avg_sqs: Sequence[Tensor], c2: float, eps: float, factors: Tensor | Sequence[Tensor | None]
 ) -> tuple[list[Tensor], list[Tensor]]:
     """The plain denominators ``sqrt(v / c2) + eps`` and the scaled ``sqrt(v) sqrt(f / c2) + eps``, one ``sqrt(v)``.
 
-    ``factors``: 0-dim tensors (the scale of ``follow_gradient_scale``), ``None`` where unscaled. The same
+    ``factors``: the scale of ``follow_gradient_scale``, as :func:`denominators` takes it. The same
     bits as :func:`root_denominators` and :func:`denominators` with ``roots=``.
     """
-    exp_avg_sqs, factors = list(exp_avg_sqs), list(factors)
+    exp_avg_sqs = list(exp_avg_sqs)
     roots = list(torch._foreach_sqrt(exp_avg_sqs))
     return root_denominators(roots, c2, eps), denominators(exp_avg_sqs, c2, eps, factors, roots=roots)
 

@@ -57,9 +57,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import joined, moved, mul_scalar_, per_tensor_operand, shape_groups
+from hf_zeroone._tensors import in_order, joined, moved, mul_scalar_, rows_by_group, shape_groups
 from hf_zeroone.optim import _functional as F
-from hf_zeroone.optim._scalar_vectors import adopt, as_vector
+from hf_zeroone.optim._scalar_vectors import adopt, as_vector, read_vector
 from hf_zeroone.optim._step_kind import StepKind
 
 __all__ = ["GradientScale", "factors", "kept_fraction", "sample_statistics", "scale_samples"]
@@ -82,12 +82,13 @@ def _correction(beta2: float, updates: int, bias_correction: bool) -> float:
 
 def factors(
     states: Sequence[dict[str, Any]], beta2: float, variance_steps: int, samples: int, bias_correction: bool
-) -> list[Tensor | None]:
+) -> Tensor | list[Tensor | None]:
     """``f = (c_K / c_{K+n}) G`` of each tensor (the module docstring); ``None`` where there is no ``G``.
 
     ``variance_steps`` is ``K`` (the steps the variance stands for, see
     :meth:`~hf_zeroone.optim.CompressedAdamBase.variance_steps`), ``samples`` is ``n``. One vectorised
-    computation for all tensors (their ``G`` are one vector, see :mod:`._scalar_vectors`).
+    computation for all tensors (their ``G`` are one vector, see :mod:`._scalar_vectors`), returned
+    as that vector when every tensor has a ``G``, else as a list.
     """
     out: list[Tensor | None] = [None] * len(states)
     have = [i for i, st in enumerate(states) if _G in st]
@@ -96,7 +97,10 @@ def factors(
     ratio = _correction(beta2, variance_steps, bias_correction) / _correction(
         beta2, variance_steps + samples, bias_correction
     )
-    for i, value in zip(have, (as_vector([states[i] for i in have], _G) * ratio).unbind()):
+    values = read_vector([states[i] for i in have], _G) * ratio
+    if len(have) == len(states):
+        return values
+    for i, value in zip(have, values.unbind()):
         out[i] = value
     return out
 
@@ -160,18 +164,16 @@ def sample_statistics(dens: Sequence[Tensor], eps: float = 0.0) -> tuple[Tensor,
 def _active_counts(dens: list[Tensor], floors: Tensor) -> Tensor:
     """Per tensor, how many of its ``d`` are at least its floor (int64), compared in ``d``'s dtype.
 
-    One comparison per shape (:func:`shape_groups`): a few calls for all tensors, not two per tensor.
+    One comparison and one row sum per shape (:func:`shape_groups`): a few calls for all tensors,
+    not two per tensor.
     """
-    counts: list[Tensor] = [None] * len(dens)  # type: ignore[list-item]
-    each_floor = floors.unbind()
-    for group in shape_groups(dens, range(len(dens))):
+    parts = []
+    groups = shape_groups(dens, range(len(dens)))
+    for group, rows in zip(groups, rows_by_group(floors, groups)):
         stacked = torch.stack([dens[i] for i in group])
-        thresholds = per_tensor_operand(each_floor, group, stacked.dim() - 1).to(stacked.dtype)
-        active = stacked.ge(thresholds)
-        rows = active.flatten(1) if active.dim() > 1 else active.unsqueeze(1)  # 0-dim parameters: one element
-        for i, count in zip(group, rows.sum(1).unbind()):
-            counts[i] = count
-    return torch.stack(counts)
+        active = stacked.ge(rows.view(-1, *([1] * (stacked.dim() - 1))).to(stacked.dtype))
+        parts.append((group, active.view(len(group), -1).sum(1)))  # 0-dim parameters: one element
+    return in_order(parts, len(dens))
 
 
 def scale_samples(
@@ -193,26 +195,22 @@ def scale_samples(
     parameter group's.
     """
     grads, dens = F.as_dtype(grads, torch.float32), list(dens)
-    floors = idle_floors(means, eps)
     if not dens:
         return torch.zeros(0, dtype=torch.float32, device=means.device)
-    masked = [i for i in range(len(grads)) if idle is None or idle[i]]
-    unmasked = [i for i in range(len(grads)) if not (idle is None or idle[i])]
-    ratios: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
-    if unmasked:
-        quotients = torch._foreach_div([grads[i] for i in unmasked], [dens[i] for i in unmasked])
-        for i, r in zip(unmasked, quotients):
-            ratios[i] = r
-    floors = floors.unbind()
-    for group in shape_groups(dens, masked):  # one call per shape, not per tensor (see shape_groups)
+    if idle is not None and not any(idle):  # no element to leave out: one multi-tensor call each
+        return torch.stack(torch._foreach_norm(torch._foreach_div(grads, dens))).square_().div_(counts)
+    # Otherwise every tensor, one call per shape (see shape_groups); where a tensor has no idle
+    # element, nothing is masked and the norms are the same bits.
+    parts = []  # (indices, the norms of g / d)
+    groups = shape_groups(dens, range(len(dens)))
+    for group, rows in zip(groups, rows_by_group(idle_floors(means, eps), groups)):
         stacked_dens = torch.stack([dens[i] for i in group])
         stacked = torch.stack([grads[i] for i in group])  # divided in the promoted dtype, as the unmasked ones
         stacked = stacked.div_(stacked_dens) if stacked.dtype == stacked_dens.dtype else stacked / stacked_dens
-        thresholds = per_tensor_operand(floors, group, stacked_dens.dim() - 1).to(stacked_dens.dtype)
+        thresholds = rows.view(-1, *([1] * (stacked_dens.dim() - 1))).to(stacked_dens.dtype)
         stacked.masked_fill_(stacked_dens < thresholds, 0.0)  # compared in d's dtype, as against a 0-dim floor
-        for i, r in zip(group, stacked.unbind()):
-            ratios[i] = r
-    return torch.stack(torch._foreach_norm(ratios)).square_().div_(counts)
+        parts.append((group, torch.linalg.vector_norm(stacked.view(len(group), -1), dim=1)))
+    return in_order(parts, len(grads)).square_().div_(counts)
 
 
 class GradientScale:
@@ -339,7 +337,7 @@ class GradientScale:
         noise = schedule.get("noise_samples", 0)
         if not noise or not states or not all(_R in st for st in states):
             return None
-        return as_vector(states, _R) / (1.0 - beta2**noise)
+        return read_vector(states, _R) / (1.0 - beta2**noise)
 
     @staticmethod
     def _update(

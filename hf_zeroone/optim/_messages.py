@@ -156,7 +156,9 @@ class Messages:
         opt = self.opt
         factors: dict[int, Tensor | None] = {}
         for group, ps, _ in opt.grouped(params, params):
-            factors.update(zip(map(id, ps), opt.scale_factors(group, ps) or [None] * len(ps)))
+            scaled = opt.scale_factors(group, ps)
+            scaled = scaled.unbind() if isinstance(scaled, Tensor) else scaled or [None] * len(ps)
+            factors.update(zip(map(id, ps), scaled))
         return _local_phase.per_lr_units([opt.state[p] for p in params], [factors[id(p)] for p in params])
 
     def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:

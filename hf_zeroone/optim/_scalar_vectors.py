@@ -20,7 +20,7 @@ from torch import Tensor
 
 from hf_zeroone._tensors import joined
 
-__all__ = ["adopt", "as_vector"]
+__all__ = ["adopt", "as_vector", "read_vector"]
 
 
 def as_vector(states: Sequence[dict[str, Any]], key: str) -> Tensor:
@@ -32,6 +32,16 @@ def as_vector(states: Sequence[dict[str, Any]], key: str) -> Tensor:
     """
     vector = joined([st[key] for st in states])
     return vector if vector._base is not None else adopt(states, key, vector)
+
+
+def read_vector(states: Sequence[dict[str, Any]], key: str) -> Tensor:
+    """The entries ``states[i][key]`` (0-dim, all present) as one vector to read, in order.
+
+    :func:`as_vector` where they are consecutive; elements of one vector in another order (the same
+    parameters in a DDP bucket's order) are gathered, and nothing is adopted: the state's vector
+    stays the one the updates write to.
+    """
+    return joined([st[key] for st in states], gather=True)
 
 
 def adopt(states: Sequence[dict[str, Any]], key: str, values: Tensor) -> Tensor:

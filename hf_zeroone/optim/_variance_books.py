@@ -71,7 +71,7 @@ class VarianceBooks:
         v = [self.state[p]["exp_avg_sq"] for p in params]
         if (
             factors is None
-            or all(f is None for f in factors)
+            or (not isinstance(factors, Tensor) and all(f is None for f in factors))
             or not all(t.dtype == torch.float32 for t in v)
             or not self._plain_denominators_follow(kind)
         ):
@@ -99,8 +99,10 @@ class VarianceBooks:
             return True
         return kind.compressed and self.clip_to_variance and self.communicated_step != self.schedule["step"]
 
-    def scale_factors(self, group: dict[str, Any], params: Sequence[Tensor]) -> list[Tensor | None] | None:
+    def scale_factors(self, group: dict[str, Any], params: Sequence[Tensor]) -> Tensor | list[Tensor | None] | None:
         """``follow_gradient_scale``'s factor ``f`` of a frozen ``v`` per parameter (``None``: the option is off).
+
+        A vector when every parameter has one, else a list with ``None`` where one has none.
 
         The denominators of a frozen variance are ``sqrt(v f / c2) + eps`` (:mod:`._grad_scale`).
         """
@@ -114,6 +116,8 @@ class VarianceBooks:
             group["bias_correction"],
         )
         if not self.clip_to_variance:  # unclipped samples: v may only shrink (see ._grad_scale)
+            if isinstance(factors, Tensor):
+                return factors.clamp(max=1.0)
             factors = [None if f is None else f.clamp(max=1.0) for f in factors]
         return factors
 

@@ -189,30 +189,65 @@ def in_order(parts: Sequence[tuple[Sequence[int], Tensor]], n: int) -> Tensor:
     return out.index_copy_(0, host_index(order, values.device), values)
 
 
+def flat_span(tensors: Sequence[Tensor]) -> Tensor | None:
+    """The one-dimensional stretch of memory that ``tensors`` tile, in order, or ``None`` where they do not.
+
+    Consecutive contiguous pieces of one contiguous vector (the per-parameter views of a message or
+    of a DDP bucket, :func:`layout_views`): an operation on each then is one operation on the span.
+    """
+    first = tensors[0] if tensors else None
+    base = None if first is None else first._base
+    if base is None or not base.is_contiguous() or not all(map(operator.is_, map(_base_of, tensors), repeat(base))):
+        return None
+    if not all(map(Tensor.is_contiguous, tensors)):
+        return None
+    offsets, numels = list(map(Tensor.storage_offset, tensors)), list(map(Tensor.numel, tensors))
+    if any(o + n != nxt for o, n, nxt in zip(offsets, numels, offsets[1:])):
+        return None
+    start = offsets[0] - base.storage_offset()
+    return base.view(-1).narrow(0, start, offsets[-1] + numels[-1] - offsets[0])
+
+
 def apply_per_tensor(
-    op: str, tensors: Sequence[Tensor], operands: Sequence[Tensor] | Sequence[float], in_place: bool
+    op: str, tensors: Sequence[Tensor], operands: Tensor | Sequence[Tensor] | Sequence[float], in_place: bool
 ) -> list[Tensor]:
     """``t * f`` or ``t / f`` (``op``: ``"mul"`` or ``"div"``) for each tensor and its operand.
 
     In place (returns ``tensors``) or as new tensors. Host numbers go in one multi-tensor call. A
     multi-tensor call with a 0-dim tensor operand per tensor runs tensor by tensor (a kernel launch
-    each on a GPU), so same-shaped tensors are stacked (:func:`shape_groups`) and take their
-    operands in one broadcast call, then are copied back (in place) or handed out as views of the
-    stack. Tensor operands must be float32 or of their tensor's dtype.
+    each on a GPU), so tensor operands (0-dim tensors, or one vector) are applied in broadcast
+    calls instead: in place on tensors that tile one vector (:func:`flat_span`), to that vector
+    with each operand repeated over its tensor's elements; otherwise to same-shaped tensors
+    stacked (:func:`shape_groups`), copied back (in place) or handed out as views of the stack.
+    Tensor operands must be float32 or of their tensor's dtype.
     """
-    tensors, operands = list(tensors), list(operands)
-    if not tensors or not isinstance(operands[0], Tensor):
+    tensors = list(tensors)
+    if not tensors:
+        return tensors
+    if not isinstance(operands, Tensor) and not isinstance(operands[0], Tensor):
         fn = getattr(torch, f"_foreach_{op}_" if in_place else f"_foreach_{op}")
-        out = fn(tensors, operands)
+        out = fn(tensors, list(operands))
         return tensors if in_place else list(out)
+    vector = operands if isinstance(operands, Tensor) else None
+    span = flat_span(tensors) if in_place else None
+    if span is not None:
+        vector = vector if vector is not None else torch.stack(list(operands))
+        numels = host_index([t.numel() for t in tensors], vector.device)
+        getattr(span, f"{op}_")(vector.repeat_interleave(numels, output_size=span.numel()))
+        return tensors
     out = list(tensors)
-    for group in shape_groups(tensors, range(len(tensors))):
+    groups = shape_groups(tensors, range(len(tensors)))
+    rows = rows_by_group(vector, groups) if vector is not None else [None] * len(groups)
+    for group, row in zip(groups, rows):
         if len(group) == 1:  # alone in its shape (or too large to stack): one call, no copy
             i = group[0]
-            out[i] = getattr(tensors[i], f"{op}_" if in_place else op)(operands[i])
+            operand = operands[i] if row is None else row.view(())
+            out[i] = getattr(tensors[i], f"{op}_" if in_place else op)(operand)
             continue
         stacked = torch.stack([tensors[i] for i in group])
-        getattr(stacked, f"{op}_")(per_tensor_operand(operands, group, stacked.dim() - 1))
+        ndim = stacked.dim() - 1
+        operand = per_tensor_operand(operands, group, ndim) if row is None else row.view(-1, *([1] * ndim))
+        getattr(stacked, f"{op}_")(operand)
         if in_place:
             torch._foreach_copy_([tensors[i] for i in group], list(stacked.unbind()))
         else:

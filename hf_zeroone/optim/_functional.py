@@ -253,7 +253,7 @@ def to_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: Ten
     ``value * mean / d``, two in-place passes and no weight tensor.
     """
     values = list(values)
-    apply_per_tensor("mul", values, list(means.unbind()), in_place=True)
+    apply_per_tensor("mul", values, means, in_place=True)
     torch._foreach_div_(values, list(dens))
 
 
@@ -268,7 +268,7 @@ def from_update_units(
     """
     values = list(values)
     torch._foreach_mul_(values, list(dens))
-    apply_per_tensor("div", values, list(means.unbind()), in_place=True)
+    apply_per_tensor("div", values, means, in_place=True)
     if implied_from is not None:
         implied_gradients(implied_from, values, beta1)
 
@@ -380,6 +380,5 @@ def norm_proxy_factors(
     ok = (norms > 0) & (mean_sq > 0) & torch.isfinite(norms) & torch.isfinite(ratio)
     factors = torch.where(ok, ratio, 1.0)
     handed = torch.where(ok, root, norms)
-    factor_list = list(factors.unbind())
-    apply_per_tensor("mul", views, factor_list, in_place=True)
-    return list(zip(factor_list, handed.unbind()))
+    apply_per_tensor("mul", views, factors, in_place=True)
+    return list(zip(factors.unbind(), handed.unbind()))

@@ -172,7 +172,7 @@ def _active_counts(dens: list[Tensor], floors: Tensor) -> Tensor:
     for group, rows in zip(groups, rows_by_group(floors, groups)):
         stacked = torch.stack([dens[i] for i in group])
         active = stacked.ge(rows.view(-1, *([1] * (stacked.dim() - 1))).to(stacked.dtype))
-        parts.append((group, active.view(len(group), -1).sum(1)))  # 0-dim parameters: one element
+        parts.append((group, active.reshape(len(group), -1).sum(1)))  # 0-dim parameters: one element
     return in_order(parts, len(dens))
 
 
@@ -209,7 +209,7 @@ def scale_samples(
         stacked = stacked.div_(stacked_dens) if stacked.dtype == stacked_dens.dtype else stacked / stacked_dens
         thresholds = rows.view(-1, *([1] * (stacked_dens.dim() - 1))).to(stacked_dens.dtype)
         stacked.masked_fill_(stacked_dens < thresholds, 0.0)  # compared in d's dtype, as against a 0-dim floor
-        parts.append((group, torch.linalg.vector_norm(stacked.view(len(group), -1), dim=1)))
+        parts.append((group, torch.linalg.vector_norm(stacked.reshape(len(group), -1), dim=1)))
     return in_order(parts, len(grads)).square_().div_(counts)
 
 

@@ -113,6 +113,25 @@ class ZeroOneHookState:
     buckets_seen: int = field(default=0)
     backward_passes_seen: int = field(default=0)
     _passes: BackwardPasses = field(default_factory=BackwardPasses, init=False, repr=False)
+    #: per bucket index: its buffer's address, its parameters and their views of it (see gradient_views)
+    _views: dict = field(default_factory=dict, init=False, repr=False)
+
+    def gradient_views(self, bucket: dist.GradBucket, params: list) -> list[Tensor]:
+        """Each parameter's gradient as a view of the bucket's buffer, in the order DDP lays it there.
+
+        DDP keeps a bucket's buffer from one iteration to the next, so the views are made once per
+        bucket, not on every call; when DDP rebuilds its buckets, every bucket's are made again (and
+        the old buffers' released).
+        """
+        buffer = bucket.buffer()
+        cached = self._views.get(bucket.index())
+        if cached is not None and cached[0] == buffer.data_ptr() and cached[1] == tuple(map(id, params)):
+            return cached[2]
+        if cached is not None:  # a rebuild: no view of an old buffer stays
+            self._views.clear()
+        views = consecutive_views(params, buffer)
+        self._views[bucket.index()] = (buffer.data_ptr(), tuple(map(id, params)), views)
+        return views
 
     @property
     def backward_passes_per_step(self) -> "int | None":
@@ -159,7 +178,7 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     if not kind.communicates_in_backward:
         # each local gradient over its noise excess: clipping sees an averaged-gradient-sized norm
         params = bucket.parameters()
-        opt.messages.hand_on_local_gradients(params, consecutive_views(params, buffer), in_place=True)
+        opt.messages.hand_on_local_gradients(params, state.gradient_views(bucket, params), in_place=True)
         return _agreed_local(state, buffer)
     # not bucket.gradients(): it views a gradient that DDP keeps in its parameter's memory order (a
     # transposed weight, channels_last) row-major, that is transposed
@@ -169,11 +188,11 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
         # A GradScaler's overflow can be a plain inf, which clipping to the variance would bound to
         # a finite message: as NaN it reaches every rank's result, and every rank's scaler skips
         buffer.masked_fill_(non_finite_flag(buffer) > 0, float("nan"))
-    grads = consecutive_views(params, buffer)
+    grads = views = state.gradient_views(bucket, params)
     if scale is not None:  # messages in unscaled units
-        grads = [g.div(scale.to(device=g.device, dtype=g.dtype)) for g in grads]
+        grads = [g.div(scale.to(device=g.device, dtype=g.dtype)) for g in views]
     if kind is StepKind.EXACT:
-        return _exact(opt, buffer, params, opt.messages.lane(kind, params, grads), scale)
+        return _exact(opt, buffer, params, views, opt.messages.lane(kind, params, grads), scale)
     flat = opt.flat_cache.get(params)
     message, n = flat.new_message(), flat.layout.numel
     message[n:].zero_()
@@ -202,11 +221,14 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     return fut.then(to_gradient)
 
 
-def _exact(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: "Tensor | None", scale: "Tensor | None"):  # noqa: ANN202
+def _exact(
+    opt: CompressedAdamBase, buffer: Tensor, params: list, views: list, lane: "Tensor | None", scale: "Tensor | None"
+):  # noqa: ANN202
     """Average the bucket (an fp32 one in ``exact_step_dtype`` when one is set) and its exact lane, the scale samples.
 
-    The samples of the local gradients and of the averaged ones measure the noise excess of local
-    gradients (:mod:`hf_zeroone.optim._grad_scale`); they ride in the message's collective
+    ``views``: each parameter's gradient in ``buffer``. The samples of the local gradients and of
+    the averaged ones measure the noise excess of local gradients (:mod:`hf_zeroone.optim._grad_scale`);
+    they ride in the message's collective
     (:meth:`~hf_zeroone.comm.Communicator.allreduce_mean_async`).
     """
     dtype = opt.exact_message_dtype(buffer.dtype)
@@ -220,7 +242,7 @@ def _exact(opt: CompressedAdamBase, buffer: Tensor, params: list, lane: "Tensor 
         if averaged is not buffer:
             buffer.copy_(averaged)  # what step() applies: the rounded average, in the bucket's dtype
         if lane is not None:
-            opt.messages.finish(StepKind.EXACT, params, consecutive_views(params, buffer), lane, loss_scale=scale)
+            opt.messages.finish(StepKind.EXACT, params, views, lane, loss_scale=scale)
         return buffer
 
     return fut.then(record)

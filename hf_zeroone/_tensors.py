@@ -199,7 +199,7 @@ def flat_span(tensors: Sequence[Tensor]) -> Tensor | None:
     base = None if first is None else first._base
     if base is None or not base.is_contiguous() or not all(map(operator.is_, map(_base_of, tensors), repeat(base))):
         return None
-    if not all(map(Tensor.is_contiguous, tensors)):
+    if not all(map(Tensor.is_contiguous, tensors)) or any(t.dtype != base.dtype for t in tensors):
         return None
     offsets, numels = list(map(Tensor.storage_offset, tensors)), list(map(Tensor.numel, tensors))
     if any(o + n != nxt for o, n, nxt in zip(offsets, numels, offsets[1:])):

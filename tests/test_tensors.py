@@ -149,3 +149,26 @@ def test_layout_order_is_memory_order_where_dense_and_row_major_elsewhere():
         assert torch.equal(flat[3:], memory), name
     for name, t in {"contiguous": base.view(4, 6), "a slice": base.view(4, 6)[:, :3]}.items():
         assert torch.equal(layout_order(t, t), t.reshape(-1)), name
+
+
+def test_per_tensor_operands_on_views_of_one_vector_are_one_operation_with_the_per_tensor_bits():
+    """``apply_per_tensor`` in place on pieces that tile a vector: the span at once, as tensor by tensor."""
+    from hf_zeroone._tensors import apply_per_tensor, flat_span, layout_views
+
+    g = torch.Generator().manual_seed(2)
+    shapes = [(3, 4), (5,), (0,), (2, 2, 2), (1,)]
+    flat = torch.randn(40, generator=g)
+    likes = [torch.empty(s) for s in shapes]
+    offsets = [0, 12, 17, 17, 25]
+    views = layout_views(flat, offsets, likes)
+    assert flat_span(views).data_ptr() == flat.data_ptr() and flat_span(views).numel() == 26
+    assert flat_span(views[::-1]) is None  # not in order
+    assert flat_span([views[0], views[3]]) is None  # a gap between them
+    assert flat_span([flat[:4].view(torch.int32)]) is None  # another dtype than the vector's
+    factors = torch.rand(len(shapes), generator=g) + 0.5
+    want = [v * f for v, f in zip(views, factors.unbind())]
+    rest = flat[26:].clone()
+    apply_per_tensor("mul", views, factors, in_place=True)
+    for v, w in zip(views, want):
+        assert torch.equal(v, w)
+    assert torch.equal(flat[26:], rest)  # nothing past the last piece

@@ -477,36 +477,3 @@ def test_bf16_exact_steps_hook_equals_step_and_halve_the_bytes(equivalence_bf16,
     for kind, stats, before in zip(res["kinds"], res["stats"], fp32["stats"]):
         if kind != "exact":
             assert stats["bytes_sent"] == before["bytes_sent"] and stats["collectives"] == before["collectives"]
-
-
-class _Bucket:
-    """What the hook reads of a DDP bucket: its index and its flat buffer."""
-
-    def __init__(self, index: int, buffer: torch.Tensor) -> None:
-        self._index, self._buffer = index, buffer
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-
-def test_a_buckets_gradient_views_are_made_once_and_again_after_a_rebuild():
-    """The per-parameter views of a bucket's buffer are kept while DDP keeps the buffer, and only then."""
-    from hf_zeroone import OneBitAdam, ZeroOneHookState
-
-    params = [torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(4))]
-    state = ZeroOneHookState(OneBitAdam(params, lr=1e-3))
-    first = _Bucket(0, torch.arange(10.0))
-    views = state.gradient_views(first, params)
-    assert torch.equal(views[0], torch.arange(6.0).view(3, 2)) and torch.equal(views[1], torch.arange(6.0, 10.0))
-    assert state.gradient_views(first, params) is views  # the same buffer: no new views
-    other = _Bucket(1, torch.zeros(4))
-    state.gradient_views(other, params[1:])
-    rebuilt = _Bucket(0, torch.arange(10.0, 20.0))  # DDP rebuilt its buckets: a new buffer
-    again = state.gradient_views(rebuilt, params)
-    assert torch.equal(again[1], torch.arange(16.0, 20.0))
-    assert list(state._views) == [0]  # the old buffers' views are gone with them
-    reordered = state.gradient_views(rebuilt, params[::-1])  # other parameters in the same buffer
-    assert reordered[0].shape == (4,) and torch.equal(reordered[0], torch.arange(10.0, 14.0))

@@ -98,3 +98,22 @@ def hooked_default_run(name: str, steps: int):
     opt.set_run_length(steps, 0)
     register_zeroone_hook(ddp, opt)
     return model, ddp, opt
+
+
+def hook_test_optimizer(name, params, **kw):  # noqa: ANN001, ANN003, ANN201
+    """The papers' maths unless told otherwise: exact steps in fp32, 0/1 Adam's 1-bit gradients from its second gap."""
+    from hf_zeroone import OneBitAdam, ZeroOneAdam
+
+    kw.setdefault("exact_step_dtype", "float32")
+    if name == "onebit":
+        return OneBitAdam(params, lr=1e-2, weight_decay=0.01, freeze_step=kw.pop("freeze_step", 3), **kw)
+    return ZeroOneAdam(
+        params,
+        lr=1e-2,
+        weight_decay=0.01,
+        var_freeze_step=kw.pop("var_freeze_step", 12),
+        var_update_scaler=2,
+        local_step_scaler=3,
+        local_step_clipper=4,
+        **{"exact_warmup_steps": 0, **kw},
+    )

@@ -41,6 +41,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -338,5 +339,5 @@ def _update_error(ok: Tensor, error: Tensor, compute: Callable[[Tensor], None], 
 
 def _tile(bounds: tuple[int, ...], times: int) -> tuple[int, ...]:
     """Segment bounds of ``times`` copies of a vector laid end to end."""
-    length = bounds[-1]
-    return tuple(i * length + b for i in range(times) for b in bounds[:-1]) + (times * length,)
+    starts = np.asarray(bounds[:-1], dtype=np.int64) + bounds[-1] * np.arange(times, dtype=np.int64)[:, None]
+    return (*starts.reshape(-1).tolist(), times * bounds[-1])

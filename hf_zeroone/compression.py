@@ -19,8 +19,9 @@ points (the boundaries of the parameter tensors packed into the vector), and eac
 own scale: one tensor's small gradients are not blown up to the magnitude of its neighbour's.
 That costs four bytes per segment, a few hundred bytes per call for a BERT model.
 
-Segments are contiguous. Where they are short, the segment scales are applied as one element-wise
-operand (a gather by each element's segment), a few operations instead of one per segment.
+Segments are contiguous. Consecutive segments of one length (a bucket of same-shaped tensors,
+fixed-size blocks) are handled as one matrix, an operation per run of them; many short segments of
+varied lengths get their scales as one element-wise operand (a gather by each element's segment).
 Packing and unpacking go through NumPy's bit routines on the CPU (much faster there than torch's
 bit arithmetic) and through torch's elsewhere, with the same bits.
 
@@ -187,26 +188,48 @@ def _segments(x: Tensor, bounds: Sequence[int]) -> list[Tensor]:
     return list(x.split([b - a for a, b in zip(bounds[:-1], bounds[1:])]))
 
 
-#: the segment scales are expanded element by element when the segments hold fewer elements than
-#: this on average: expanding costs a little per element, slicing an operation (on a GPU a kernel
-#: launch) per segment, and the two costs meet near this length (``recipes/bench_kernels.py``
-#: times both)
+def _runs(bounds: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """``(first segment, offset, segments, length)`` of each run of consecutive non-empty segments of one length.
+
+    A run is one ``(segments, length)`` matrix view, and one operation handles all of its
+    segments: a bucket of same-shaped tensors is one run, 1-bit DiLoCo's blocks of
+    ``scale_every`` elements a few runs per tensor. A row of the view is reduced with the same
+    bits as the segment alone.
+    """
+    edges = np.asarray(bounds, dtype=np.int64)
+    lengths = np.diff(edges)
+    firsts = np.flatnonzero(np.diff(lengths, prepend=-1))
+    counts = np.diff(firsts, append=lengths.size)
+    keep = lengths[firsts] > 0
+    firsts, counts = firsts[keep], counts[keep]
+    return list(zip(firsts.tolist(), edges[firsts].tolist(), counts.tolist(), lengths[firsts].tolist()))
+
+
+def _by_runs(runs: Sequence[tuple[int, int, int, int]], bounds: Sequence[int]) -> bool:
+    """Whether to handle the segments a run at a time rather than all at once (see below).
+
+    An operation per run is a kernel launch each on a GPU, and the compressed allreduce applies
+    scales four times. So runs serve when they are few (at least :data:`SEGMENTS_PER_RUN` segments
+    each on average) or their segments long: with many short segments (a bucket of biases and
+    norms) the device would wait on the host, and the scales are expanded element by element
+    instead (:func:`_expanded`: an extra pass over the vector, paid only when the segments are
+    shorter than :data:`EXPAND_BELOW` on average). The norms then go through one multi-tensor
+    call. Both forms give the same bits.
+    """
+    segments = sum(m for _, _, m, _ in runs)
+    return SEGMENTS_PER_RUN * len(runs) <= segments or bounds[-1] >= EXPAND_BELOW * segments
+
+
+#: runs of at least this many segments on average are handled a run at a time (see _by_runs)
+SEGMENTS_PER_RUN = 4
+#: the segment scales are expanded element by element when the segments are many and hold fewer
+#: elements than this on average: expanding costs a little per element, slicing an operation (on a
+#: GPU a kernel launch) per segment, and the two costs meet near this length
+#: (``recipes/bench_kernels.py`` times both)
 EXPAND_BELOW = 1 << 19
 #: per (bounds, device): the segment starts inside the vector and as many ones, on the device (see _expanded)
 _STARTS: dict[tuple[tuple[int, ...], torch.device], tuple[Tensor, Tensor]] = {}
 _STARTS_KEPT = 1024  # layouts change rarely (DDP's bucket rebuild, a new mask); a bound on the cache
-
-
-def _expands(bounds: Sequence[int]) -> bool:
-    """Whether the segment scales are applied as one element-wise operand (:func:`_expanded`), not by slices.
-
-    An operation per segment is a kernel launch each on a GPU, and the compressed allreduce applies
-    scales four times: with many short segments (a bucket of biases and norms) the device would
-    wait on the host. The expansion is an extra pass over the vector, so it pays only when the
-    segments are short (:data:`EXPAND_BELOW`). Both forms give the same bits.
-    """
-    segments = sum(1 for a, b in zip(bounds[:-1], bounds[1:]) if b > a)
-    return bounds[-1] < EXPAND_BELOW * segments
 
 
 def _expanded(scales: Tensor, bounds: Sequence[int]) -> Tensor:
@@ -253,8 +276,12 @@ def segment_scales(x: Tensor, bounds: Sequence[int], counts: Tensor) -> Tensor:
     each segment.
     """
     _check_bounds(x, counts, bounds)
-    segments = _segments(x, bounds)
-    norms = torch.stack(torch._foreach_norm(segments))
+    runs = _runs(bounds)
+    if not _by_runs(runs, bounds):
+        return scales_from_norms(torch.stack(torch._foreach_norm(_segments(x, bounds))), counts)
+    norms = x.new_zeros(counts.numel())  # an empty segment's norm is 0
+    for j, o, m, n in runs:
+        torch.linalg.vector_norm(x[o : o + m * n].view(m, n), dim=1, out=norms[j : j + m])
     return scales_from_norms(norms, counts)
 
 
@@ -269,12 +296,12 @@ def compression_error(x: Tensor, scales: Tensor, bounds: Sequence[int], out: Ten
     ``out`` must not overlap ``x``. The signs are the ones :func:`pack_signs` sends.
     """
     _check_bounds(x, scales, bounds)
-    if _expands(bounds):
+    runs = _runs(bounds)
+    if not _by_runs(runs, bounds):
         torch.copysign(_expanded(scales, bounds), x, out=out)
         return torch.sub(x, out, out=out)
-    for j, (x_seg, out_seg) in enumerate(zip(_segments(x, bounds), _segments(out, bounds))):
-        if x_seg.numel():
-            torch.copysign(scales[j], x_seg, out=out_seg)
+    for j, o, m, n in runs:
+        torch.copysign(scales[j : j + m, None], x[o : o + m * n].view(m, n), out=out[o : o + m * n].view(m, n))
     return torch.sub(x, out, out=out)
 
 
@@ -282,12 +309,11 @@ def decompress(packed: Tensor, scales: Tensor, bounds: Sequence[int], out: Tenso
     """``C[x]`` from its packed signs and segment scales: a new flat float32 tensor, or ``out`` (flat, float32)."""
     out = unpack_signs(packed, out=out).reshape(-1)
     _check_bounds(out, scales, bounds)
-    if _expands(bounds):
+    runs = _runs(bounds)
+    if not _by_runs(runs, bounds):
         return out.mul_(_expanded(scales, bounds))
-    pairs = [(view, scale) for view, scale in zip(_segments(out, bounds), scales.unbind()) if view.numel()]
-    if pairs:
-        views, factors = zip(*pairs)
-        torch._foreach_mul_(list(views), list(factors))
+    for j, o, m, n in runs:
+        out[o : o + m * n].view(m, n).mul_(scales[j : j + m, None])
     return out
 
 
@@ -343,7 +369,7 @@ class ChunkLayout:
     def chunk_bounds(self, k: int) -> tuple[int, ...]:
         """Segment bounds of chunk ``k``, relative to the chunk start (``S + 1`` offsets, ``0 .. chunk``)."""
         s = self.segments_per_chunk
-        return tuple(b - k * self.chunk for b in self.bounds[k * s : (k + 1) * s + 1])
+        return tuple((np.asarray(self.bounds[k * s : (k + 1) * s + 1], dtype=np.int64) - k * self.chunk).tolist())
 
     def chunk_segment_counts(self, k: int) -> Tensor:
         s = self.segments_per_chunk

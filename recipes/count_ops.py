@@ -10,7 +10,9 @@ model of ``N`` tiny ``Linear(8, 8)`` layers in one DDP bucket::
 For each step kind of both optimizers (DDP with the hf_zeroone hook) and for DDP with ``AdamW(foreach=True)``: the
 median number of top-level ``aten::`` operations (not called from inside another) per step under ``torch.profiler``
 on all threads, what a step adds beyond DDP + AdamW, per tensor and per added tensor from the smallest ``N`` to the
-largest, and the step's time without the profiler as a ratio to DDP + AdamW's (noisy).
+largest, and the step's time without the profiler as a ratio to DDP + AdamW's: each step is timed against a DDP +
+AdamW step on its own model taken right after it, and the ratios' median reported (still noisy: a kind that the
+short schedule reaches a few times has few ratios).
 """
 
 from __future__ import annotations
@@ -59,21 +61,27 @@ def _run(name: str, kwargs: dict, n: int, steps: int, profile: bool) -> dict[str
     """Per step kind: the top-level operation counts of each step (``profile``) or its seconds."""
     from hf_zeroone import OneBitAdam, ZeroOneAdam, register_zeroone_hook
 
-    ddp = DDP(_model(n), bucket_cap_mb=1024)
-    if name == "adamw":
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, foreach=True)
-    else:
+    def build(name: str) -> tuple[DDP, torch.optim.Optimizer]:
+        ddp = DDP(_model(n), bucket_cap_mb=1024)
+        if name == "adamw":
+            return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3, foreach=True)
         opt = (OneBitAdam if name == "onebit" else ZeroOneAdam)(ddp.parameters(), lr=1e-3, **kwargs)
         register_zeroone_hook(ddp, opt)
+        return ddp, opt
+
+    ddp, opt = build(name)
+    baseline = None if profile or name == "adamw" else build("adamw")  # timed step for step beside it
     gen = torch.Generator().manual_seed(dist.get_rank())
     config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     out: dict[str, list[float]] = {}
     cpu = [torch.profiler.ProfilerActivity.CPU]
 
-    def step(x: torch.Tensor) -> None:
+    def step(x: torch.Tensor, ddp: DDP = ddp, opt: torch.optim.Optimizer = opt) -> float:
+        start = time.perf_counter()
         ddp(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
+        return time.perf_counter() - start
 
     for i in range(steps):
         x = torch.randn(4, 8, generator=gen)
@@ -83,9 +91,10 @@ def _run(name: str, kwargs: dict, n: int, steps: int, profile: bool) -> dict[str
                 step(x)
             value = float(_top_level_aten(prof))
         else:
-            start = time.perf_counter()
-            step(x)
-            value = time.perf_counter() - start
+            value = step(x)
+            if baseline is not None:  # each step against a DDP + AdamW step taken right after it
+                dist.barrier()
+                value /= step(x, *baseline)
         kind = "whole step" if name == "adamw" else opt.last_step_kind.value
         if i >= 2:  # DDP rebuilds its buckets after the first iteration
             out.setdefault(kind, []).append(value)
@@ -104,14 +113,13 @@ def main() -> None:
     ratios: dict[tuple[str, str], dict[int, float]] = {}
     adamw = ("DDP + AdamW(foreach=True)", "whole step")
     for n in sizes:
-        base_s = statistics.median(_run("adamw", {}, n, args.steps, False)["whole step"])
         counts.setdefault(adamw, {})[n] = statistics.median(_run("adamw", {}, n, args.steps, True)["whole step"])
         for label, (name, kwargs) in RUNS.items():
             ops = _run(name, kwargs, n, args.steps, True)
-            secs = _run(name, kwargs, n, args.steps, False)
+            times = _run(name, kwargs, n, args.steps, False)
             for kind, values in ops.items():
                 counts.setdefault((label, kind), {})[n] = statistics.median(values)
-                ratios.setdefault((label, kind), {})[n] = statistics.median(secs[kind]) / base_s
+                ratios.setdefault((label, kind), {})[n] = statistics.median(times[kind])
     if dist.get_rank() == 0:
         small, large = sizes[0], sizes[-1]
         base = counts[adamw]

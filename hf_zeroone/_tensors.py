@@ -7,20 +7,14 @@ import operator
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 
+import numpy as np
 import torch
 from torch import Tensor
 
 
 def _scalar_operand(tensors: Sequence[Tensor], value: float) -> float | Tensor:
-    """``value`` in the form a CPU multi-tensor op over ``tensors`` takes fastest, with the same result.
-
-    On CPU ``torch._foreach_mul_(ts, 0.5)`` runs one operation per tensor, each wrapping the number
-    in a new tensor first (most of the call's cost on a model's many small tensors). A
-    0-dim tensor made once gives bit for bit the same results on float32 and float64 lists (the
-    kernels read it in the same precision as the number). Other dtypes (a 0-dim float32 operand
-    rounds differently against bf16 and fp16) and other devices (one kernel for the whole list)
-    get the number as it is.
-    """
+    """``value`` as a CPU multi-tensor op over ``tensors`` takes it fastest, with the same bits: a 0-dim
+    tensor made once for float32 and float64 lists (the op would wrap the number per tensor)."""
     if not tensors or tensors[0].device.type != "cpu":
         return value
     dtype = tensors[0].dtype
@@ -30,10 +24,8 @@ def _scalar_operand(tensors: Sequence[Tensor], value: float) -> float | Tensor:
 
 
 def moved(t: Tensor, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Tensor:
-    """``t.to(device=device, dtype=dtype)``, or ``t`` itself where it has both: no call per tensor when nothing changes.
-
-    A ``.to`` that copies nothing is still a dispatched call, host work a per-tensor loop pays each time.
-    """
+    """``t.to(device=device, dtype=dtype)``, or ``t`` itself where it has both (a ``.to`` that copies nothing
+    is still a dispatched call)."""
     if (device is None or t.device == torch.device(device)) and (dtype is None or t.dtype == dtype):
         return t
     return t.to(device=device, dtype=dtype)
@@ -208,18 +200,42 @@ def flat_span(tensors: Sequence[Tensor]) -> Tensor | None:
     return base.view(-1).narrow(0, start, offsets[-1] + numels[-1] - offsets[0])
 
 
+#: consecutive pieces of one length go a run at a time when the runs hold at least this many pieces on average
+PIECES_PER_RUN = 4
+
+
+def runs(lengths: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """``(first piece, offset, pieces, length)`` of each run of consecutive non-empty pieces of one length.
+
+    The pieces tile a vector in order (a message's tensors, a compressed one's segments). A run is
+    one ``(pieces, length)`` matrix view: an operand or a reduction per piece (a row is reduced
+    with the piece's own bits) is one call per run, worth it when the runs are :func:`few`.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    firsts = np.flatnonzero(np.diff(lengths, prepend=-1))
+    counts = np.diff(firsts, append=lengths.size)
+    keep = lengths[firsts] > 0
+    firsts, counts = firsts[keep], counts[keep]
+    return list(zip(firsts.tolist(), offsets[firsts].tolist(), counts.tolist(), lengths[firsts].tolist()))
+
+
+def few(pieces_by_run: Sequence[tuple[int, int, int, int]]) -> bool:
+    """Whether :func:`runs` hold at least :data:`PIECES_PER_RUN` pieces each on average (a call per run pays)."""
+    return PIECES_PER_RUN * len(pieces_by_run) <= sum(m for _, _, m, _ in pieces_by_run)
+
+
 def apply_per_tensor(
     op: str, tensors: Sequence[Tensor], operands: Tensor | Sequence[Tensor] | Sequence[float], in_place: bool
 ) -> list[Tensor]:
     """``t * f`` or ``t / f`` (``op``: ``"mul"`` or ``"div"``) for each tensor and its operand.
 
-    In place (returns ``tensors``) or as new tensors. Host numbers go in one multi-tensor call. A
-    multi-tensor call with a 0-dim tensor operand per tensor runs tensor by tensor (a kernel launch
-    each on a GPU), so tensor operands (0-dim tensors, or one vector) are applied in broadcast
-    calls instead: in place on tensors that tile one vector (:func:`flat_span`), to that vector
-    with each operand repeated over its tensor's elements; otherwise to same-shaped tensors
-    stacked (:func:`shape_groups`), copied back (in place) or handed out as views of the stack.
-    Tensor operands must be float32 or of their tensor's dtype.
+    In place (returns ``tensors``) or as new tensors. Host numbers go in one multi-tensor call;
+    tensor operands (0-dim tensors, or one vector), which such a call takes tensor by tensor, in
+    broadcast calls: in place on tensors that tile one vector (:func:`flat_span`), per run of
+    same-sized tensors (:func:`runs`) or on the vector with the operands repeated; otherwise on
+    same-shaped tensors stacked (:func:`shape_groups`), copied back or handed out as views of the
+    stack. Tensor operands must be float32 or of their tensor's dtype.
     """
     tensors = list(tensors)
     if not tensors:
@@ -232,8 +248,13 @@ def apply_per_tensor(
     span = flat_span(tensors) if in_place else None
     if span is not None:
         vector = vector if vector is not None else torch.stack(list(operands))
-        numels = host_index([t.numel() for t in tensors], vector.device)
-        getattr(span, f"{op}_")(vector.repeat_interleave(numels, output_size=span.numel()))
+        numels = [t.numel() for t in tensors]
+        by_run = runs(numels)
+        if not few(by_run):
+            expanded = vector.repeat_interleave(host_index(numels, vector.device), output_size=span.numel())
+            getattr(span, f"{op}_")(expanded)
+        for j, o, m, n in by_run if few(by_run) else ():
+            getattr(span[o : o + m * n].view(m, n), f"{op}_")(vector[j : j + m, None])
         return tensors
     out = list(tensors)
     groups = shape_groups(tensors, range(len(tensors)))
@@ -363,10 +384,9 @@ def joined(elements: Sequence[Tensor], gather: bool = False) -> Tensor:
 def bit_checksum(tensors: list[Tensor], device: torch.device | str | None = None) -> Tensor:
     """Two int64 sums of the tensors' bit patterns (plain and position-weighted): equal iff bit-equal.
 
-    Exact integer arithmetic (sums wrap modulo 2^64 the same way in any order), so any flipped
-    bit changes it (up to astronomically unlikely collisions); the weighted sum also catches
-    tensors that swapped places. Computed on the tensors' device (no host read there); the
-    result is put on ``device`` (default: the first tensor's device, the CPU for none).
+    Exact integer sums (they wrap modulo 2^64 in any order): a flipped bit changes them, and the
+    weighted one catches tensors that swapped places. Computed on the tensors' device, the
+    result put on ``device`` (default: the first tensor's device, the CPU for none).
     """
     home = tensors[0].device if tensors else torch.device("cpu")
     total = torch.zeros(2, dtype=torch.int64, device=home)

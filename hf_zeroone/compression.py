@@ -19,9 +19,7 @@ points (the boundaries of the parameter tensors packed into the vector), and eac
 own scale: one tensor's small gradients are not blown up to the magnitude of its neighbour's.
 That costs four bytes per segment, a few hundred bytes per call for a BERT model.
 
-Segments are contiguous. Consecutive segments of one length (a bucket of same-shaped tensors,
-fixed-size blocks) are handled as one matrix, an operation per run of them; many short segments of
-varied lengths get their scales as one element-wise operand (a gather by each element's segment).
+Segments are contiguous; runs of one length are matrix views, an operation per run (``_runs``).
 Packing and unpacking go through NumPy's bit routines on the CPU (much faster there than torch's
 bit arithmetic) and through torch's elsewhere, with the same bits.
 
@@ -42,6 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+
+from hf_zeroone._tensors import few, runs
 
 __all__ = [
     "ChunkLayout",
@@ -188,44 +188,22 @@ def _segments(x: Tensor, bounds: Sequence[int]) -> list[Tensor]:
     return list(x.split([b - a for a, b in zip(bounds[:-1], bounds[1:])]))
 
 
-def _runs(bounds: Sequence[int]) -> list[tuple[int, int, int, int]]:
-    """``(first segment, offset, segments, length)`` of each run of consecutive non-empty segments of one length.
+def _runs(bounds: Sequence[int]) -> list[tuple[int, int, int, int]] | None:
+    """The segments' :func:`~hf_zeroone._tensors.runs`, when handled a run at a time; ``None``: all at once.
 
-    A run is one ``(segments, length)`` matrix view, and one operation handles all of its
-    segments: a bucket of same-shaped tensors is one run, 1-bit DiLoCo's blocks of
-    ``scale_every`` elements a few runs per tensor. A row of the view is reduced with the same
-    bits as the segment alone.
+    An operation per run is a kernel launch on a GPU, and a compressed allreduce applies scales
+    four times: runs serve when they are :func:`~hf_zeroone._tensors.few` (same-shaped tensors,
+    1-bit DiLoCo's blocks) or their segments long. Many short segments of varied lengths (biases
+    and norms) get their scales expanded element by element (:func:`_expanded`, an extra pass
+    over the vector) and their norms in one multi-tensor call. Both forms give the same bits.
     """
-    edges = np.asarray(bounds, dtype=np.int64)
-    lengths = np.diff(edges)
-    firsts = np.flatnonzero(np.diff(lengths, prepend=-1))
-    counts = np.diff(firsts, append=lengths.size)
-    keep = lengths[firsts] > 0
-    firsts, counts = firsts[keep], counts[keep]
-    return list(zip(firsts.tolist(), edges[firsts].tolist(), counts.tolist(), lengths[firsts].tolist()))
+    by_run = runs(np.diff(np.asarray(bounds, dtype=np.int64)))
+    segments = sum(m for _, _, m, _ in by_run)
+    return by_run if few(by_run) or bounds[-1] >= EXPAND_BELOW * segments else None
 
 
-def _by_runs(runs: Sequence[tuple[int, int, int, int]], bounds: Sequence[int]) -> bool:
-    """Whether to handle the segments a run at a time rather than all at once (see below).
-
-    An operation per run is a kernel launch each on a GPU, and the compressed allreduce applies
-    scales four times. So runs serve when they are few (at least :data:`SEGMENTS_PER_RUN` segments
-    each on average) or their segments long: with many short segments (a bucket of biases and
-    norms) the device would wait on the host, and the scales are expanded element by element
-    instead (:func:`_expanded`: an extra pass over the vector, paid only when the segments are
-    shorter than :data:`EXPAND_BELOW` on average). The norms then go through one multi-tensor
-    call. Both forms give the same bits.
-    """
-    segments = sum(m for _, _, m, _ in runs)
-    return SEGMENTS_PER_RUN * len(runs) <= segments or bounds[-1] >= EXPAND_BELOW * segments
-
-
-#: runs of at least this many segments on average are handled a run at a time (see _by_runs)
-SEGMENTS_PER_RUN = 4
-#: the segment scales are expanded element by element when the segments are many and hold fewer
-#: elements than this on average: expanding costs a little per element, slicing an operation (on a
-#: GPU a kernel launch) per segment, and the two costs meet near this length
-#: (``recipes/bench_kernels.py`` times both)
+#: many segments of varied lengths shorter than this on average get their scales expanded (a little per
+#: element) rather than a call each (a kernel launch on a GPU); ``recipes/bench_kernels.py`` times both
 EXPAND_BELOW = 1 << 19
 #: per (bounds, device): the segment starts inside the vector and as many ones, on the device (see _expanded)
 _STARTS: dict[tuple[tuple[int, ...], torch.device], tuple[Tensor, Tensor]] = {}
@@ -235,12 +213,10 @@ _STARTS_KEPT = 1024  # layouts change rarely (DDP's bucket rebuild, a new mask);
 def _expanded(scales: Tensor, bounds: Sequence[int]) -> Tensor:
     """``scales[j]`` at every element of segment ``j``: a flat tensor of ``bounds[-1]`` elements.
 
-    A few operations whatever the number of segments: a 1 at each segment start inside the
-    vector (an empty segment's start adds to the next one's; empty last segments have none), a
-    running sum that gives each element its segment's index, and a gather of the scales. Linear
-    in the elements on every device. The starts reach the device once per layout, through pinned
-    memory (no host wait). (A ``repeat_interleave`` by the segment lengths is one call, but on
-    the CPU it is slower and its index takes 8 bytes per element.)
+    A few operations whatever the number of segments: a 1 at each segment start (an empty
+    segment's adds to the next one's), a running sum that gives each element its segment's index,
+    a gather. The starts reach the device once per layout, through pinned memory (no host wait);
+    ``repeat_interleave`` would be slower on the CPU, with an 8-byte index per element.
     """
     key = (tuple(bounds), scales.device)
     dtype = torch.int32 if bounds[-1] < 2**31 else torch.int64
@@ -276,11 +252,11 @@ def segment_scales(x: Tensor, bounds: Sequence[int], counts: Tensor) -> Tensor:
     each segment.
     """
     _check_bounds(x, counts, bounds)
-    runs = _runs(bounds)
-    if not _by_runs(runs, bounds):
+    by_run = _runs(bounds)
+    if by_run is None:
         return scales_from_norms(torch.stack(torch._foreach_norm(_segments(x, bounds))), counts)
     norms = x.new_zeros(counts.numel())  # an empty segment's norm is 0
-    for j, o, m, n in runs:
+    for j, o, m, n in by_run:
         torch.linalg.vector_norm(x[o : o + m * n].view(m, n), dim=1, out=norms[j : j + m])
     return scales_from_norms(norms, counts)
 
@@ -296,11 +272,11 @@ def compression_error(x: Tensor, scales: Tensor, bounds: Sequence[int], out: Ten
     ``out`` must not overlap ``x``. The signs are the ones :func:`pack_signs` sends.
     """
     _check_bounds(x, scales, bounds)
-    runs = _runs(bounds)
-    if not _by_runs(runs, bounds):
+    by_run = _runs(bounds)
+    if by_run is None:
         torch.copysign(_expanded(scales, bounds), x, out=out)
         return torch.sub(x, out, out=out)
-    for j, o, m, n in runs:
+    for j, o, m, n in by_run:
         torch.copysign(scales[j : j + m, None], x[o : o + m * n].view(m, n), out=out[o : o + m * n].view(m, n))
     return torch.sub(x, out, out=out)
 
@@ -309,10 +285,10 @@ def decompress(packed: Tensor, scales: Tensor, bounds: Sequence[int], out: Tenso
     """``C[x]`` from its packed signs and segment scales: a new flat float32 tensor, or ``out`` (flat, float32)."""
     out = unpack_signs(packed, out=out).reshape(-1)
     _check_bounds(out, scales, bounds)
-    runs = _runs(bounds)
-    if not _by_runs(runs, bounds):
+    by_run = _runs(bounds)
+    if by_run is None:
         return out.mul_(_expanded(scales, bounds))
-    for j, o, m, n in runs:
+    for j, o, m, n in by_run:
         out[o : o + m * n].view(m, n).mul_(scales[j : j + m, None])
     return out
 

@@ -230,20 +230,18 @@ def test_layout_with_element_mask():
 
 def test_segments_go_a_run_at_a_time_when_runs_are_few_or_long_and_are_expanded_otherwise():
     """Per run, a launch costs more than expanding short segments and less than long ones."""
-    from hf_zeroone.compression import EXPAND_BELOW, SEGMENTS_PER_RUN, _by_runs, _runs
-
-    def by_runs(bounds):
-        return _by_runs(_runs(bounds), bounds)
+    from hf_zeroone._tensors import PIECES_PER_RUN, runs
+    from hf_zeroone.compression import EXPAND_BELOW, _runs
 
     same = tuple(range(0, 64 * 1000 + 1, 1000))  # 64 segments of 1,000 elements: one run
-    assert _runs(same) == [(0, 0, 64, 1000)] and by_runs(same)
+    assert _runs(same) == [(0, 0, 64, 1000)]
     mixed = tuple(np.cumsum([0] + [1000 + (i % 2) for i in range(64)]).tolist())  # biases and norms of two sizes
-    assert len(_runs(mixed)) == 64 and not by_runs(mixed)
-    assert by_runs((0, EXPAND_BELOW, 2 * EXPAND_BELOW + 1))  # two long segments
+    assert _runs(mixed) is None
+    assert _runs((0, EXPAND_BELOW, 2 * EXPAND_BELOW + 1)) is not None  # two long segments
     # empty segments own no element and need no launch: they are in no run
-    assert _runs((0, 0, 0, 5, 5, 9)) == [(2, 0, 1, 5), (4, 5, 1, 4)]
-    blocks = (0, *range(3, 3 + 256 * 2 * SEGMENTS_PER_RUN, 256), 3 + 256 * 2 * SEGMENTS_PER_RUN)
-    assert len(_runs(blocks)) == 2 and by_runs(blocks)  # a short first piece, then blocks of 256
+    assert runs([0, 0, 5, 0, 4]) == [(2, 0, 1, 5), (4, 5, 1, 4)]
+    blocks = (0, *range(3, 3 + 256 * 2 * PIECES_PER_RUN, 256), 3 + 256 * 2 * PIECES_PER_RUN)
+    assert len(_runs(blocks)) == 2  # a short first piece, then blocks of 256
 
 
 @pytest.mark.parametrize("form", ["numpy", "bf16", "elementwise"])
@@ -282,6 +280,7 @@ def test_unpacking_into_a_wrong_buffer_is_refused_before_anything_is_written():
 def test_a_run_at_a_time_gives_the_bits_of_one_segment_at_a_time(lengths, monkeypatch):
     """Runs of same-length segments (a bucket of same-shaped tensors, 1-bit DiLoCo's blocks) against the
     multi-tensor norms and the expanded scales."""
+    import hf_zeroone._tensors as tensors
     import hf_zeroone.compression as compression
 
     bounds = tuple(np.cumsum([0, *lengths]).tolist())
@@ -292,8 +291,8 @@ def test_a_run_at_a_time_gives_the_bits_of_one_segment_at_a_time(lengths, monkey
     packed = pack_signs(x)
     results = []
     for per_run in (1, 1 << 30):  # a run at a time, then every segment at once
-        monkeypatch.setattr(compression, "SEGMENTS_PER_RUN", per_run)
-        assert compression._by_runs(compression._runs(bounds), bounds) == (per_run == 1)
+        monkeypatch.setattr(tensors, "PIECES_PER_RUN", per_run)
+        assert (compression._runs(bounds) is not None) == (per_run == 1)
         scales = segment_scales(x, bounds, counts)
         error = compression_error(x, scales, bounds, out=torch.empty_like(x))
         results.append([t.view(torch.int32) for t in (scales, error, decompress(packed, scales, bounds))])

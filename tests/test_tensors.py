@@ -172,3 +172,22 @@ def test_per_tensor_operands_on_views_of_one_vector_are_one_operation_with_the_p
     for v, w in zip(views, want):
         assert torch.equal(v, w)
     assert torch.equal(flat[26:], rest)  # nothing past the last piece
+
+
+@pytest.mark.parametrize("shapes", [[(8, 8)] * 12, [(3,)] + [(8, 8)] * 9 + [(0,), (5, 2)] + [(8, 8)] * 8])
+@pytest.mark.parametrize("op", ["mul", "div"])
+def test_per_tensor_operands_on_runs_of_same_sized_views_have_the_per_tensor_bits(shapes, op):
+    """Same-sized pieces of a span (a bucket of one layer's weights) take their operands a run at a time."""
+    from hf_zeroone._tensors import apply_per_tensor, few, layout_views, runs
+
+    g = torch.Generator().manual_seed(len(shapes))
+    likes = [torch.empty(s) for s in shapes]
+    offsets = [sum(t.numel() for t in likes[:i]) for i in range(len(likes))]
+    flat = torch.randn(offsets[-1] + likes[-1].numel() + 3, generator=g)
+    views = layout_views(flat, offsets, likes)
+    assert few(runs([t.numel() for t in likes]))
+    factors = torch.rand(len(shapes), generator=g) + 0.5
+    want = [getattr(v, op)(f) for v, f in zip(views, factors.unbind())]
+    apply_per_tensor(op, views, factors, in_place=True)
+    for v, w in zip(views, want):
+        assert torch.equal(v, w)

@@ -250,11 +250,12 @@ def apply_per_tensor(
         vector = vector if vector is not None else torch.stack(list(operands))
         numels = [t.numel() for t in tensors]
         by_run = runs(numels)
-        if not few(by_run):
+        if few(by_run):
+            for j, o, m, n in by_run:
+                getattr(span[o : o + m * n].view(m, n), f"{op}_")(vector[j : j + m, None])
+        else:
             expanded = vector.repeat_interleave(host_index(numels, vector.device), output_size=span.numel())
             getattr(span, f"{op}_")(expanded)
-        for j, o, m, n in by_run if few(by_run) else ():
-            getattr(span[o : o + m * n].view(m, n), f"{op}_")(vector[j : j + m, None])
         return tensors
     out = list(tensors)
     groups = shape_groups(tensors, range(len(tensors)))

@@ -5,8 +5,8 @@ allreduce) or with the two-stage 1-bit compressed allreduce of 1-bit Adam and 0/
 arithmetic is in :mod:`hf_zeroone._two_stage`: two collectives per call, about 1/32 of an fp32
 allreduce's bytes), and counts exactly what this rank sends (:class:`CommStats`). Either kind of
 call can carry an *exact lane*, a short float32 vector averaged exactly in the same collectives
-(per-tensor norms and samples, mask flags), so that what the optimizers need beside a message
-costs no collective of its own.
+(per-tensor norms and samples, mask flags): what the optimizers need beside a message costs no
+collective of its own.
 
 All collectives are issued, in submission order, by one background thread per
 :class:`Communicator` on a process group the package uses for nothing else (built only by the
@@ -15,10 +15,9 @@ while backward goes on, and no collective is ever issued from inside a future ca
 gloo, a blocking collective inside a ``.then`` callback deadlocks once there are two buckets).
 Collectives run under the process group's timeout, so a missing rank ends in an error, not a
 hang. On CUDA the jobs run on a stream of the communicator's own, ordered after the caller's
-stream by an event, and the futures are CUDA-aware (:mod:`hf_zeroone._executor`).
-
-No host read of a device value happens per call: the non-finite case is handled by ``where``
-and NaN propagation on the device, with exactly the results a branch on the host would give.
+stream by an event, the futures are CUDA-aware (:mod:`hf_zeroone._executor`), and a call's
+operations are replayed from CUDA graphs (:mod:`hf_zeroone._graphs`): no host read of a device
+value happens per call (a non-finite input is handled by ``where`` and NaN propagation).
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from hf_zeroone._executor import (
     collective_device,
     stop_all_workers,
 )
+from hf_zeroone._graphs import GraphedJobs, graphs_enabled
 from hf_zeroone._tensors import bit_checksum
 from hf_zeroone._two_stage import SCALE_BYTES, compressed_allreduce, float8_allreduce, float8_row_bytes, lane_floats
 from hf_zeroone.compression import ChunkLayout
@@ -88,6 +88,7 @@ class Communicator:
     ) -> None:
         self.stats = CommStats()
         self._executor: _SerialExecutor | None = None
+        self._graphs: GraphedJobs | None = None
         self._coll: _Collectives | None = None
         self._closed = False
         if not (dist.is_available() and dist.is_initialized()):
@@ -105,6 +106,7 @@ class Communicator:
             group = process_group if process_group is not None else dist.group.WORLD
             self._coll = _Collectives(group, raw=False, backend=str(dist.get_backend(group)))
         self._executor = _SerialExecutor(f"hf_zeroone-comm-rank{self.rank}")
+        self._graphs = GraphedJobs() if graphs_enabled() else None
         _stop_worker_when_collected(self, self._executor)
         _LIVE_COMMUNICATORS.add(self)
 
@@ -112,7 +114,7 @@ class Communicator:
     def local(cls) -> Communicator:
         """A single-process communicator even when ``torch.distributed`` is initialised (sends nothing)."""
         comm = cls.__new__(cls)
-        comm.stats, comm._executor, comm._coll, comm._closed = CommStats(), None, None, False
+        comm.stats, comm._executor, comm._coll, comm._closed, comm._graphs = CommStats(), None, None, False, None
         comm.world_size, comm.rank = 1, 0
         return comm
 
@@ -128,6 +130,7 @@ class Communicator:
         comm.stats, comm._closed = CommStats(), False
         comm.world_size, comm.rank = world_size, rank
         comm._coll = _LoopbackCollectives(rank, world_size)
+        comm._graphs = GraphedJobs() if graphs_enabled() else None
         comm._executor = _SerialExecutor(f"hf_zeroone-loopback-rank{rank}") if threaded else None
         if comm._executor is not None:
             _stop_worker_when_collected(comm, comm._executor)
@@ -139,11 +142,15 @@ class Communicator:
         return self.world_size > 1
 
     # ------------------------------------------------------------------ scheduling
-    def _submit(self, job: Callable[[], Tensor], tensors: Sequence[Tensor] = ()) -> torch.futures.Future:
-        """Run ``job`` on the worker (in order), or inline without one; ``tensors``: its inputs.
+    def _job(self, key: tuple, job: Callable[..., Tensor], tensors: tuple[Tensor, ...], keep: tuple = ()) -> Callable:
+        """``job(collectives, *tensors)`` as a job; on a GPU, replayed from CUDA graphs (:mod:`hf_zeroone._graphs`)."""
+        coll, graphs = self._coll, self._graphs
+        if graphs is None or not tensors[0].is_cuda:
+            return lambda: job(coll, *tensors)
+        return lambda: graphs.run((*key, tensors[0].device), job, coll, tensors, keep)
 
-        Inline, the job runs on the caller's current stream, so its plain future needs no events.
-        """
+    def _submit(self, job: Callable[[], Tensor], tensors: Sequence[Tensor] = ()) -> torch.futures.Future:
+        """Run ``job`` on the worker, in order, or inline on the caller's stream; ``tensors``: its inputs."""
         if self._closed:
             raise RuntimeError("this hf_zeroone Communicator was closed; create a new one (or a new optimizer)")
         if self._executor is None or self._executor.on_worker_thread():  # nested call: inline, keeps the order
@@ -306,9 +313,12 @@ class Communicator:
         self.stats.fp32_equivalent_bytes += fp32_allreduce_bytes(tensor.numel() + lane, p)
         self.stats.collectives += 2
         self.stats.full_allreduces += 1
-        coll, rank = self._coll, self.rank
-        inputs = (tensor,) if exact is None else (tensor, exact)
-        return self._submit(lambda: float8_allreduce(coll, rank, p, tensor, sizes, exact), inputs)
+        rank, inputs = self.rank, (tensor,) if exact is None else (tensor, exact)
+
+        def job(coll: object, t: Tensor, lane_: Tensor | None = None) -> Tensor:
+            return float8_allreduce(coll, rank, p, t, sizes, lane_)
+
+        return self._submit(self._job(("float8", tuple(sizes), rank, p, lane), job, inputs), inputs)
 
     # ------------------------------------------------------------------ 1-bit allreduce
     def compressed_allreduce_async(
@@ -351,11 +361,14 @@ class Communicator:
         self.stats.fp32_equivalent_bytes += fp32_allreduce_bytes(layout.numel + lane, p)
         self.stats.collectives += 2
         self.stats.compressed_allreduces += 1
-        coll, rank = self._coll, self.rank
-        inputs = (buffer, worker_error, server_error, *layout.tensors(), *(() if exact is None else (exact,)))
-        return self._submit(
-            lambda: compressed_allreduce(coll, rank, p, buffer, worker_error, server_error, layout, exact), inputs
-        )
+        rank, own = self.rank, (buffer,) if exact is None else (buffer, exact)
+        inputs = (buffer, worker_error, server_error, *layout.tensors(), *own[1:])
+
+        def job(coll: object, b: Tensor, lane_: Tensor | None = None) -> Tensor:
+            return compressed_allreduce(coll, rank, p, b, worker_error, server_error, layout, lane_)
+
+        key = ("1-bit", id(layout), rank, p, worker_error.data_ptr(), server_error.data_ptr(), lane)
+        return self._submit(self._job(key, job, own, keep=(layout,)), inputs)
 
     def compressed_allreduce(
         self,

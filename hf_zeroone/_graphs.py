@@ -4,8 +4,8 @@ A compressed allreduce dispatches about 130 small operations per call whatever i
 (:mod:`hf_zeroone._two_stage`); on a GPU dispatching them costs more host time than the GPU needs
 to run them. The operations between two collectives depend only on the call's shapes, the
 layout and the addresses of the persistent buffers: no device value is read on the host
-(``tests/test_device_path.py``). So for each key (the job, its layout, the addresses of its error
-buffers, the lane's length, the ranks):
+(``tests/test_device_path.py``). So for each key (the job, the addresses of a bucket's error
+buffers, the lengths, the ranks; a bucket whose layout is rebuilt starts again):
 
 1. the first call runs as it is (it also fills the caches that copy from the host, such as a
    layout's segment starts);
@@ -20,8 +20,8 @@ buffers, the lane's length, the ranks):
 The replay does what the job does, in the same order, so the results have the same bits
 (``tests/gpu/test_gpu_graphs.py``). The graphs of one communicator share one memory pool: the
 scratch of one call is reused by the next, and a communicator runs its jobs one at a time. A
-recording that fails (an operation the graph cannot hold) leaves the key to run as it is, with a
-warning. Memory kept: the recorded collectives' buffers (about half a byte per element of a 1-bit
+recording that fails (an operation the graph cannot hold) leaves the communicator's jobs to run
+as they are, with a warning. Memory kept: the recorded collectives' buffers (about half a byte per element of a 1-bit
 call), one call's scratch, and one copy of the largest call's tensors. ``HF_ZEROONE_CUDA_GRAPHS=0``
 turns the recording off.
 """
@@ -39,9 +39,8 @@ from torch import Tensor
 
 __all__ = ["GraphedJobs", "graphs_enabled"]
 
-#: recorded keys kept per communicator (a DDP model has a few dozen buckets; a rebuild makes new keys)
+#: keys kept per communicator: a DDP model has a few dozen buckets, a bucket rebuild makes new keys
 KEEP = 128
-_SEEN, _EAGER = "seen once", "runs as it is"
 _ALIGN = 256  # bytes: where each of a call's tensors starts in the shared input memory
 
 
@@ -53,11 +52,21 @@ def graphs_enabled() -> bool:
 class _Recording:
     """A recorded call: its input copies, and its steps (graphs, and collectives with their tensors)."""
 
-    def __init__(self, inputs: tuple[Tensor, ...], keep: tuple[Any, ...]) -> None:
+    def __init__(self, inputs: tuple[Tensor, ...]) -> None:
         self.inputs = inputs
-        self.keep = keep  # objects the key names by identity, held so that no other object takes their id
         self.steps: list[torch.cuda.CUDAGraph | tuple[str, tuple[Any, ...]]] = []
         self.result = 0  # which input holds the job's result
+
+
+class _Entry:
+    """What a key has: the objects its call used (``of``), and its recording once made."""
+
+    def __init__(self, of: tuple[Any, ...]) -> None:
+        self.of = of
+        self.recording: _Recording | None = None
+
+    def serves(self, of: tuple[Any, ...]) -> bool:
+        return len(of) == len(self.of) and all(a is b for a, b in zip(of, self.of))
 
 
 class _Recorder:
@@ -68,8 +77,9 @@ class _Recorder:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def begin(self) -> None:
-        self.graph = torch.cuda.CUDAGraph()
-        self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        self.graph = graph  # only once recording: a failed begin leaves nothing to end
 
     def end(self) -> None:
         assert self.graph is not None
@@ -93,8 +103,9 @@ class GraphedJobs:
     """Runs a communicator's allreduce jobs on CUDA tensors as recorded graphs (module docstring)."""
 
     def __init__(self) -> None:
-        self._calls: OrderedDict[Hashable, str | _Recording] = OrderedDict()
-        self._pool: Any = None
+        self._calls: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._anchors: dict[torch.device, torch.cuda.CUDAGraph] = {}
+        self.off = False  # set when a recording failed: every job runs as it is from then on
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._arenas: dict[torch.device, Tensor] = {}
 
@@ -104,34 +115,35 @@ class GraphedJobs:
         job: Callable[..., Tensor],
         coll: Any,  # noqa: ANN401 - the collectives (see hf_zeroone._executor)
         tensors: tuple[Tensor, ...],
-        keep: tuple[Any, ...] = (),
+        of: tuple[Any, ...] = (),
     ) -> Tensor:
         """``job(coll, *tensors)``, which must return one of ``tensors`` (changed in place).
 
-        ``tensors``: the call's own tensors, copied into the recording and back; everything else
-        the job reads must be named by ``key`` (its shapes and the addresses of its buffers).
-        ``keep``: objects ``key`` names by ``id``.
+        ``tensors``: the call's own tensors, copied into the recording and back. ``key`` must name
+        everything else the job reads: its shapes and the addresses of its buffers. ``of``: objects
+        the job reads that the key does not name (a bucket's layout, rebuilt when its mask
+        changes): a call with other objects replaces the key's recording.
         """
-        state = self._calls.get(key)
-        if state is None:
-            self._remember(key, _SEEN)
+        if self.off:
             return job(coll, *tensors)
-        if state == _EAGER:
+        entry = self._calls.get(key)
+        if entry is None or not entry.serves(of):
+            self._remember(key, _Entry(of))
             return job(coll, *tensors)
-        if state == _SEEN:
+        if entry.recording is None:
             try:
-                state = self._record(job, tensors, keep)
+                entry.recording = self._record(job, tensors)
             except Exception as exc:  # noqa: BLE001 - any failure to record: run as it is
+                self.off = True
+                self._calls.clear()
                 warnings.warn(
                     f"hf_zeroone: recording a communication job as a CUDA graph failed ({type(exc).__name__}: "
-                    f"{exc}); this job runs without graphs from now on",
+                    f"{exc}); this communicator's jobs run without graphs from now on",
                     RuntimeWarning,
                     stacklevel=2,
                 )
-                self._calls[key] = _EAGER
                 return job(coll, *tensors)
-            self._calls[key] = state
-        assert isinstance(state, _Recording)
+        state = entry.recording
         self._calls.move_to_end(key)
         for mine, theirs in zip(state.inputs, tensors):
             mine.copy_(theirs)
@@ -144,8 +156,27 @@ class GraphedJobs:
             theirs.copy_(mine)
         return tensors[state.result]
 
-    def _remember(self, key: Hashable, state: str | _Recording) -> None:
-        self._calls[key] = state
+    def _pool(self, device: torch.device) -> Any:  # noqa: ANN401 - a graph pool handle
+        """The memory pool of ``device``'s recordings, held by a graph of its own.
+
+        A pool whose graphs are all gone is freed, and torch refuses to record into it again; a
+        bucket's recording is dropped when its layout is rebuilt, so the pool keeps a graph of
+        its own (one tiny fill) for as long as the communicator lives. Called on the side stream.
+        """
+        anchor = self._anchors.get(device)
+        if anchor is None:
+            anchor = torch.cuda.CUDAGraph()
+            anchor.capture_begin(capture_error_mode="thread_local")
+            try:
+                torch.zeros(1, device=device)
+            finally:
+                anchor.capture_end()
+            self._anchors[device] = anchor
+        return anchor.pool()
+
+    def _remember(self, key: Hashable, entry: _Entry) -> None:
+        self._calls.pop(key, None)
+        self._calls[key] = entry
         while len(self._calls) > KEEP:
             self._calls.popitem(last=False)
 
@@ -169,18 +200,16 @@ class GraphedJobs:
             arena[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for o, t in zip(offsets, tensors)
         )
 
-    def _record(self, job: Callable[..., Tensor], tensors: tuple[Tensor, ...], keep: tuple[Any, ...]) -> _Recording:
+    def _record(self, job: Callable[..., Tensor], tensors: tuple[Tensor, ...]) -> _Recording:
         """Record ``job`` on the recording's own inputs (see :meth:`_inputs`); nothing runs."""
         device = tensors[0].device
-        recording = _Recording(self._inputs(tensors), keep)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        recording = _Recording(self._inputs(tensors))
         side = self._streams.get(device)
         if side is None:
             side = self._streams[device] = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))  # the inputs' allocation comes first
-        recorder = _Recorder(recording, self._pool)
         with torch.cuda.stream(side):
+            recorder = _Recorder(recording, self._pool(device))
             recorder.begin()
             try:
                 result = job(recorder, *recording.inputs)

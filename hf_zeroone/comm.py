@@ -142,12 +142,12 @@ class Communicator:
         return self.world_size > 1
 
     # ------------------------------------------------------------------ scheduling
-    def _job(self, key: tuple, job: Callable[..., Tensor], tensors: tuple[Tensor, ...], keep: tuple = ()) -> Callable:
+    def _job(self, key: tuple, job: Callable[..., Tensor], tensors: tuple[Tensor, ...], of: tuple = ()) -> Callable:
         """``job(collectives, *tensors)`` as a job; on a GPU, replayed from CUDA graphs (:mod:`hf_zeroone._graphs`)."""
         coll, graphs = self._coll, self._graphs
         if graphs is None or not tensors[0].is_cuda:
             return lambda: job(coll, *tensors)
-        return lambda: graphs.run((*key, tensors[0].device), job, coll, tensors, keep)
+        return lambda: graphs.run((*key, tensors[0].device), job, coll, tensors, of)
 
     def _submit(self, job: Callable[[], Tensor], tensors: Sequence[Tensor] = ()) -> torch.futures.Future:
         """Run ``job`` on the worker, in order, or inline on the caller's stream; ``tensors``: its inputs."""
@@ -367,8 +367,8 @@ class Communicator:
         def job(coll: object, b: Tensor, lane_: Tensor | None = None) -> Tensor:
             return compressed_allreduce(coll, rank, p, b, worker_error, server_error, layout, lane_)
 
-        key = ("1-bit", id(layout), rank, p, worker_error.data_ptr(), server_error.data_ptr(), lane)
-        return self._submit(self._job(key, job, own, keep=(layout,)), inputs)
+        key = ("1-bit", rank, p, worker_error.data_ptr(), server_error.data_ptr(), layout.padded, lane)
+        return self._submit(self._job(key, job, own, of=(layout,)), inputs)
 
     def compressed_allreduce(
         self,

@@ -45,9 +45,9 @@ class _Replay:
 def _fake_record(log):
     """A ``_record`` that records ``job`` as: double the input, a collective, add one."""
 
-    def record(self, job, tensors, keep):
+    def record(self, job, tensors):
         log.append("record")
-        rec = _Recording(tuple(t.clone() for t in tensors), keep)
+        rec = _Recording(tuple(t.clone() for t in tensors))
         x = rec.inputs[0]
         rec.steps = [_Replay(lambda: x.mul_(2)), ("all_to_all", (x, x)), _Replay(lambda: x.add_(1))]
         return rec
@@ -78,8 +78,11 @@ def test_a_key_runs_as_it_is_once_then_is_recorded_and_replayed_with_its_collect
     assert coll.calls == 2  # the replays' collectives, in their place
 
 
-def test_a_recording_that_fails_warns_and_leaves_the_key_to_run_as_it_is(monkeypatch):
-    def fail(self, job, tensors, keep):
+def test_a_recording_that_fails_warns_and_leaves_every_job_to_run_as_it_is(monkeypatch):
+    tries = []
+
+    def fail(self, job, tensors):
+        tries.append(1)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(GraphedJobs, "_record", fail)
@@ -90,10 +93,11 @@ def test_a_recording_that_fails_warns_and_leaves_the_key_to_run_as_it_is(monkeyp
         return x.add_(1)
 
     jobs.run("k", job, None, (torch.zeros(2),))
-    with pytest.warns(RuntimeWarning, match="runs without graphs from now on"):
+    with pytest.warns(RuntimeWarning, match="jobs run without graphs from now on"):
         assert jobs.run("k", job, None, (torch.zeros(2),)).tolist() == [1.0, 1.0]
-    jobs.run("k", job, None, (torch.zeros(2),))  # no second warning, no second try
-    assert len(ran) == 3
+    for key in ("k", "k", "other", "other"):  # no second warning, no second try, for any key
+        jobs.run(key, job, None, (torch.zeros(2),))
+    assert len(ran) == 6 and len(tries) == 1 and jobs.off
 
 
 def test_only_the_last_keys_are_kept(monkeypatch):
@@ -102,3 +106,18 @@ def test_only_the_last_keys_are_kept(monkeypatch):
     for key in range(5):
         jobs.run(key, lambda c, x: x, None, (torch.zeros(1),))
     assert list(jobs._calls) == [2, 3, 4]
+
+
+def test_a_call_with_other_objects_replaces_the_keys_recording(monkeypatch):
+    log = []
+    monkeypatch.setattr(GraphedJobs, "_record", _fake_record(log))
+    jobs, coll, old, new = GraphedJobs(), _Coll(), object(), object()
+
+    def job(c, x):
+        log.append("eager")
+        return x.mul_(2).add_(1)
+
+    for of in (old, old, old, new, new, new):
+        jobs.run("k", job, coll, (torch.zeros(1),), of=(of,))
+    assert log == ["eager", "record", "eager", "record"]  # a rebuilt layout: as a new key
+    assert len(jobs._calls) == 1 and jobs._calls["k"].of[0] is new

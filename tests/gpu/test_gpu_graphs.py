@@ -7,7 +7,10 @@ from hf_zeroone._graphs import _Recording
 from hf_zeroone.comm import Communicator
 from hf_zeroone.compression import ChunkLayout
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible here")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible here"),
+    pytest.mark.filterwarnings("error::RuntimeWarning"),  # a recording that failed fails the test
+]
 
 CUDA = torch.device("cuda", 0)
 
@@ -28,7 +31,7 @@ def _inputs(n: int, calls: int, nan_at: int | None = None) -> list[torch.Tensor]
 
 
 def _recordings(comm: Communicator) -> list[_Recording]:
-    return [v for v in comm._graphs._calls.values() if isinstance(v, _Recording)]
+    return [e.recording for e in comm._graphs._calls.values() if e.recording is not None]
 
 
 @pytest.mark.parametrize("threaded", [False, True])
@@ -89,6 +92,24 @@ def test_a_new_layout_or_new_error_buffers_are_recorded_anew():
     sizes = sorted((r.inputs[0].numel(), r.inputs[0].data_ptr()) for r in recordings)
     assert [n for n, _ in sizes] == [layouts[0].padded, layouts[0].padded, layouts[1].padded]
     assert len({ptr for _, ptr in sizes}) == 2 and sizes[2][1] in (sizes[0][1], sizes[1][1])
+
+
+def test_a_rebuilt_layout_of_the_same_buffers_replaces_the_recording():
+    n = 50_000
+    layouts = [
+        ChunkLayout.from_mask(n, 2, None, CUDA, segment_starts=[100]),
+        ChunkLayout.from_mask(n, 2, torch.arange(n) % 3 != 0, CUDA, segment_starts=[100]),  # rows left a mask
+    ]
+    graphed, eager = _pair(2, 1, threaded=False)
+    errors = [(torch.zeros(layouts[0].padded, device=CUDA), torch.zeros(layouts[0].chunk, device=CUDA)) for _ in "ab"]
+    for step in range(6):
+        layout = layouts[step >= 3]
+        x = torch.randn(layout.padded, device=CUDA)
+        a = graphed.compressed_allreduce(x.clone(), *errors[0], layout)
+        b = eager.compressed_allreduce(x.clone(), *errors[1], layout)
+        assert torch.equal(a, b) and all(torch.equal(u, v) for u, v in zip(*errors))
+    (entry,) = graphed._graphs._calls.values()
+    assert entry.of[0] is layouts[1] and entry.recording is not None
 
 
 def test_without_graphs_the_jobs_run_as_they_are(monkeypatch):

@@ -7,8 +7,8 @@ layout and the addresses of the persistent buffers: no device value is read on t
 (``tests/test_device_path.py``). So for each key (the job, the addresses of a bucket's error
 buffers, the lengths, the ranks; a bucket whose layout is rebuilt starts again):
 
-1. the first call runs as it is (it also fills the caches that copy from the host, such as a
-   layout's segment starts);
+1. the first call runs as it is (it also fills the caches that copy from the host, such as the
+   segment starts of ``compression._expanded``, which keeps them, and so their addresses, for good);
 2. the second call is recorded. The job runs with :class:`_Recorder` in place of the
    collectives: each collective ends the graph being recorded, is noted with its tensors, and
    starts the next graph. A call is recorded as graph, collective, graph, collective, graph.
@@ -39,8 +39,9 @@ from torch import Tensor
 
 __all__ = ["GraphedJobs", "graphs_enabled"]
 
-#: keys kept per communicator: a DDP model has a few dozen buckets, a bucket rebuild makes new keys
-KEEP = 128
+#: keys kept per communicator: one per DDP bucket (25 MB each by default, so 4096 of them cover a
+#: 100 GB model), and the first iteration's buckets until they age out
+KEEP = 4096
 _ALIGN = 256  # bytes: where each of a call's tensors starts in the shared input memory
 
 

@@ -205,9 +205,9 @@ def _runs(bounds: Sequence[int]) -> list[tuple[int, int, int, int]] | None:
 #: many segments of varied lengths shorter than this on average get their scales expanded (a little per
 #: element) rather than a call each (a kernel launch on a GPU); ``recipes/bench_kernels.py`` times both
 EXPAND_BELOW = 1 << 19
-#: per (bounds, device): the segment starts inside the vector and as many ones, on the device (see _expanded)
+#: per (bounds, device): the segment starts inside the vector and as many ones, on the device (see _expanded);
+#: kept for the process's life (one entry per bucket shape): CUDA graphs of an allreduce read them (_graphs)
 _STARTS: dict[tuple[tuple[int, ...], torch.device], tuple[Tensor, Tensor]] = {}
-_STARTS_KEPT = 1024  # layouts change rarely (DDP's bucket rebuild, a new mask); a bound on the cache
 
 
 def _expanded(scales: Tensor, bounds: Sequence[int]) -> Tensor:
@@ -222,8 +222,6 @@ def _expanded(scales: Tensor, bounds: Sequence[int]) -> Tensor:
     dtype = torch.int32 if bounds[-1] < 2**31 else torch.int64
     cached = _STARTS.get(key)
     if cached is None:
-        if len(_STARTS) >= _STARTS_KEPT:
-            _STARTS.clear()
         host = torch.tensor([b for b in bounds[1:-1] if b < bounds[-1]], dtype=torch.int64)
         if scales.device.type == "cuda":
             host = host.pin_memory()

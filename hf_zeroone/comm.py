@@ -147,7 +147,7 @@ class Communicator:
         coll, graphs = self._coll, self._graphs
         if graphs is None or not tensors[0].is_cuda:
             return lambda: job(coll, *tensors)
-        return lambda: graphs.run((*key, tensors[0].device), job, coll, tensors, of)
+        return lambda: graphs.run((*key, tensors[0].device, *(t.shape for t in tensors)), job, coll, tensors, of)
 
     def _submit(self, job: Callable[[], Tensor], tensors: Sequence[Tensor] = ()) -> torch.futures.Future:
         """Run ``job`` on the worker, in order, or inline on the caller's stream; ``tensors``: its inputs."""
@@ -318,7 +318,7 @@ class Communicator:
         def job(coll: object, t: Tensor, lane_: Tensor | None = None) -> Tensor:
             return float8_allreduce(coll, rank, p, t, sizes, lane_)
 
-        return self._submit(self._job(("float8", tuple(sizes), rank, p, lane), job, inputs), inputs)
+        return self._submit(self._job(("float8", tuple(sizes), rank, p), job, inputs), inputs)
 
     # ------------------------------------------------------------------ 1-bit allreduce
     def compressed_allreduce_async(
@@ -367,7 +367,7 @@ class Communicator:
         def job(coll: object, b: Tensor, lane_: Tensor | None = None) -> Tensor:
             return compressed_allreduce(coll, rank, p, b, worker_error, server_error, layout, lane_)
 
-        key = ("1-bit", rank, p, worker_error.data_ptr(), server_error.data_ptr(), layout.padded, lane)
+        key = ("1-bit", rank, p, worker_error.data_ptr(), server_error.data_ptr(), layout.padded)
         return self._submit(self._job(key, job, own, of=(layout,)), inputs)
 
     def compressed_allreduce(

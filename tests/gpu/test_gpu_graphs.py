@@ -67,6 +67,12 @@ def test_replayed_float8_allreduces_give_the_bits_of_eager_ones():
         b = eager.float8_allreduce_async(x.clone(), sizes, exact=x[:11].clone()).wait()
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
     assert len(_recordings(graphed)) == 1
+    n = sum(sizes)
+    for shape in [(n,), (n,), (n // 2, 2)] * 2:  # the same sizes in a tensor of another shape: a key of its own
+        x = torch.randn(n, device=CUDA).view(shape)
+        a = graphed.float8_allreduce_async(x.clone(), sizes).wait()
+        assert torch.equal(a, eager.float8_allreduce_async(x.clone(), sizes).wait()) and a.shape == shape
+    assert len(_recordings(graphed)) == 3
     graphed.close()
     eager.close()
 

@@ -78,6 +78,9 @@ def bytes_grid(t: int) -> list[tuple[str, str, float, dict]]:
     # half the drift between syncs: AdamW's rate inside, the average displacement doubled at each sync
     points += [("1-bit DiLoCo outer lr 2", "onebit_diloco", 1, {"outer_lr": 2.0})]
     points += [("1-bit DiLoCo 2 passes", "onebit_diloco", 1, {"sync_passes": 2})]
+    # the inner AdamW's first moment averaged at every sync too (1-bit): less drift between syncs
+    points += [(f"1-bit DiLoCo sync momentum{f' lr x{m}' if m > 1 else ''}", "onebit_diloco", m,
+                {"sync_momentum": True}) for m in (1, 2, 4)]  # fmt: skip
     # the DiLoCo paper's outer step (Nesterov momentum 0.9, outer lr 0.7), with 1 and 4 passes per sync
     paper = {"outer_lr": 0.7, "outer_momentum": 0.9}
     points += [(f"1-bit DiLoCo H={h} paper outer", "onebit_diloco", 1, {"sync_every": h, **paper}) for h in (8, 16)]
@@ -86,7 +89,8 @@ def bytes_grid(t: int) -> list[tuple[str, str, float, dict]]:
     # diagnostics: the same syncs averaged exactly in fp32; with H=1 the replicas differ only in their AdamW states
     points += [("1-bit DiLoCo H=1 lr x2", "onebit_diloco", 2, {"sync_every": 1})]
     points += [(f"{n} exact messages", m, x, {**s, "exact_messages": True}) for n, m, x, s in points
-               if n in ("1-bit DiLoCo default", "1-bit DiLoCo H=8 paper outer", "1-bit DiLoCo H=1 lr x2")]  # fmt: skip
+               if n in ("1-bit DiLoCo default", "1-bit DiLoCo H=8 paper outer", "1-bit DiLoCo H=1 lr x2",
+                        "1-bit DiLoCo sync momentum")]  # fmt: skip
     return points
 
 
@@ -141,6 +145,7 @@ def grid(args: FrontierArguments) -> list[tuple[str, str, float, dict]]:
     points += [("1-bit Adam default", ob, 1, {}), ("0/1 Adam default", zo, 1, {})]
     points += [("1-bit DiLoCo default", "onebit_diloco", 1, {})]
     points += [(f"1-bit DiLoCo lr x{m}", "onebit_diloco", m, {}) for m in (2, 4)]
+    points += [(f"1-bit DiLoCo sync momentum lr x{m}", "onebit_diloco", m, {"sync_momentum": True}) for m in (2, 4)]
     for g, m in ((1, 2), (1, 4), (2, 2), (2, 4)):
         points.append((f"0/1 Adam exact 5% freeze 30% gap {g} lr x{m}", zo, m, {**five_exact, "local_step_clipper": g}))
     for (e, f), m in itertools.product(((5, 30), (2.5, 30), (2.5, 15)), (2, 4)):

@@ -34,7 +34,7 @@ _OWN_SCHEDULE_FIELDS = {
     "zeroone_adam": (
         "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "exact_warmup_steps",
     ),
-    "onebit_diloco": ("sync_every", "outer_lr", "outer_momentum", "sync_passes"),
+    "onebit_diloco": ("sync_every", "outer_lr", "outer_momentum", "sync_passes", "sync_momentum"),
 }  # fmt: skip
 #: the fields only 1-bit Adam and 0/1 Adam read
 _ADAM_ONLY = ("exact_step_dtype", "onebit_bias_correction", "overflow_check_on_local_steps")
@@ -139,6 +139,10 @@ class ZeroOneArgumentsMixin:
     )
     sync_passes: int = field(
         default=1, metadata={"help": "1-bit DiLoCo: 1-bit allreduces per sync, each sending what the last left out."}
+    )
+    sync_momentum: bool = field(
+        default=False,
+        metadata={"help": "1-bit DiLoCo: also average the inner AdamW's update direction at every sync (2x bytes)."},
     )
     exact_step_dtype: str = field(
         default="float8_e4m3fn",

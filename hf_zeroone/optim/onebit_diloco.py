@@ -79,6 +79,10 @@ class OneBitDiLoCo(torch.optim.Optimizer):
         sync_passes: 1-bit allreduces per sync. Each pass after the first sends the signs of what the
             error buffers still hold, so a sync leaves less for the next one, for ``sync_passes`` times
             the bytes and collectives; it pays where one pass's error is large (with outer momentum).
+        sync_momentum: at every sync also give every rank's inner AdamW the ranks' average update
+            direction (its first moment averaged in update units), sent through the same 1-bit
+            allreduce with its own error feedback: twice the bytes and collectives of a sync, 4 more
+            bytes of state per parameter.
         check_replicas_every: at the first sync at or after every multiple of this many steps,
             check that the replicas hold bit-identical parameters (0: never); the first step
             checks that they start identical.
@@ -115,6 +119,7 @@ class OneBitDiLoCo(torch.optim.Optimizer):
         check_replicas_every: int = 100,
         scale_every: int = 256,
         sync_passes: int = 1,
+        sync_momentum: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
     ) -> None:
@@ -136,6 +141,7 @@ class OneBitDiLoCo(torch.optim.Optimizer):
         self.state = self.inner.state
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
         self.check_replicas_every, self.scale_every, self.sync_passes = check_replicas_every, scale_every, sync_passes
+        self.sync_momentum = bool(sync_momentum)
         self.comm = communicator if communicator is not None else Communicator(process_group)
         self.local_steps = 0  # inner steps taken
         self.syncs = 0
@@ -177,12 +183,16 @@ class OneBitDiLoCo(torch.optim.Optimizer):
         if params:
             torch.cat([p.detach().reshape(-1).float() for p in params], out=flat[: layout.numel])
         self._layout, self._sizes = layout, sizes
+        n_momentum = (layout.padded, layout.chunk) if self.sync_momentum else (0, 0)
         return {
             "anchor": flat[: layout.numel],
             # none without outer momentum (the default): 4 bytes per parameter saved
             "momentum": torch.zeros(layout.numel if self.outer_momentum else 0, dtype=torch.float32, device=device),
             "worker_error": torch.zeros(layout.padded, dtype=torch.float32, device=device),
             "server_error": torch.zeros(layout.chunk, dtype=torch.float32, device=device),
+            # the inner first moment's own error feedback (only with sync_momentum)
+            "momentum_worker_error": torch.zeros(n_momentum[0], dtype=torch.float32, device=device),
+            "momentum_server_error": torch.zeros(n_momentum[1], dtype=torch.float32, device=device),
         }
 
     @torch.no_grad()
@@ -235,11 +245,41 @@ class OneBitDiLoCo(torch.optim.Optimizer):
         flat["anchor"].sub_(step, alpha=self.outer_lr)
         views = [v.view_as(p) for v, p in zip(flat["anchor"].split(self._sizes), params)]
         torch._foreach_copy_(params, views)
+        if self.sync_momentum:
+            self._average_inner_momentum(params)
         self.syncs += 1
         every = self.check_replicas_every
         if every and self.local_steps // every != self._checked_at:
             self._checked_at = self.local_steps // every
             self.comm.assert_identical(params, step=self.local_steps)
+
+    def _average_inner_momentum(self, params: list[Tensor]) -> None:
+        """Give every rank's inner AdamW the ranks' average update direction, through the 1-bit allreduce.
+
+        Averaged in update units, ``m / (sqrt(v) + eps)`` (each rank's own first and second moments): a
+        block's signs times its root mean square keep every element's update within the block's size,
+        where 1-bit first moments divided by a second moment near zero (a token never seen) would not.
+        Each rank's first moment becomes the average times its own denominator; a parameter without a
+        gradient yet sends zeros and keeps no moment.
+        """
+        flat, layout = self._flat, self._layout
+        message = torch.zeros(layout.padded, dtype=torch.float32, device=flat["anchor"].device)
+        held = [(p, self.inner.state[p]) for p in params if "exp_avg" in self.inner.state.get(p, {})]
+        if held:
+            eps = {id(p): g["eps"] for g in self.param_groups for p in g["params"]}
+            denominators = torch._foreach_sqrt([s["exp_avg_sq"].float() for _, s in held])
+            torch._foreach_add_(denominators, [eps[id(p)] for p, _ in held])
+            views = dict(zip(map(id, params), message[: layout.numel].split(self._sizes)))
+            units = [views[id(p)].view_as(p) for p, _ in held]
+            torch._foreach_copy_(units, [s["exp_avg"] for _, s in held])
+            torch._foreach_div_(units, denominators)
+        errors = flat["momentum_worker_error"], flat["momentum_server_error"]
+        averaged = self.comm.compressed_allreduce(message, *errors, layout)[: layout.numel]
+        if held:
+            views = dict(zip(map(id, params), averaged.split(self._sizes)))
+            moments = [views[id(p)].view_as(p) for p, _ in held]
+            torch._foreach_mul_(moments, denominators)
+            torch._foreach_copy_([s["exp_avg"] for _, s in held], moments)
 
     def state_dict(self) -> dict[str, Any]:
         flat = {k: v.clone() for k, v in (self._flat or {}).items()}
@@ -275,6 +315,8 @@ class OneBitDiLoCo(torch.optim.Optimizer):
             keys += ("momentum",)
         if outer["world_size"] == self.comm.world_size:
             keys += ("worker_error", "server_error")
+            if self.sync_momentum and outer.get("momentum_worker_error", torch.empty(0)).numel():
+                keys += ("momentum_worker_error", "momentum_server_error")
         else:
             warnings.warn(f"OneBitDiLoCo: this state was saved on {outer['world_size']} ranks and the group has "
                           f"{self.comm.world_size}; the error feedback starts from zero", stacklevel=2)  # fmt: skip

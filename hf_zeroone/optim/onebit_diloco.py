@@ -63,7 +63,9 @@ class OneBitDiLoCo(torch.optim.Optimizer):
     AdamW's best learning rate it ends 0.7-1.2% above AdamW's loss (``docs/diloco.md``). The paper's outer step
     (``outer_lr=0.7, outer_momentum=0.9``) moves the anchor about :math:`\eta_{\text{out}} / (1 - \mu)`
     = 7 times each sync's average displacement: it pays at an inner learning rate below AdamW's
-    best and overshoots at AdamW's own.
+    best and overshoots at AdamW's own. ``sync_momentum=True`` also gives every rank the ranks'
+    average update direction at each sync, so that the replicas drift apart less between syncs, for
+    twice the bytes; at twice AdamW's learning rate it comes closest to AdamW (``docs/diloco.md``).
 
     Args:
         params: parameters or parameter groups, as for :class:`torch.optim.AdamW`.

@@ -78,7 +78,7 @@ def bytes_grid(t: int) -> list[tuple[str, str, float, dict]]:
     # half the drift between syncs: AdamW's rate inside, the average displacement doubled at each sync
     points += [("1-bit DiLoCo outer lr 2", "onebit_diloco", 1, {"outer_lr": 2.0})]
     points += [("1-bit DiLoCo 2 passes", "onebit_diloco", 1, {"sync_passes": 2})]
-    # the inner AdamW's first moment averaged at every sync too (1-bit): less drift between syncs
+    # the inner AdamW's update direction averaged at every sync too (1-bit): less drift between syncs
     points += [(f"1-bit DiLoCo sync momentum{f' lr x{m}' if m > 1 else ''}", "onebit_diloco", m,
                 {"sync_momentum": True}) for m in (1, 2, 4)]  # fmt: skip
     # the DiLoCo paper's outer step (Nesterov momentum 0.9, outer lr 0.7), with 1 and 4 passes per sync

@@ -113,7 +113,7 @@ def _unseen_rows(rank, world):
 
 
 def test_sync_momentum_keeps_elements_without_a_second_moment_within_a_steps_size():
-    """A 1-bit first moment divided by a second moment of 0 would move them by about 1e6 learning rates."""
+    """Averaging the first moment itself in 1 bit and dividing by a second moment of 0 moved them by 4e7."""
     moved = run_ranks(_unseen_rows, 2, timeout=120)
     assert max(moved) < 8 * 10 * 1e-2, moved  # 8 steps of at most 10 learning rates each
 

@@ -66,19 +66,16 @@ def add_scalar_(tensors: Sequence[Tensor], value: float) -> None:
 def float32_norms(tensors: Sequence[Tensor]) -> Tensor:
     """The 2-norm of each tensor as one float32 vector: ``torch.linalg.vector_norm(t, dtype=torch.float32)`` each.
 
-    The float32 tensors go through one ``torch._foreach_norm`` (on CPU the same kernel tensor by
-    tensor, so the same bits; on a GPU a few kernels for the whole list instead of one per tensor),
-    the others one at a time, cast as they are reduced (no float32 copy). Per-tensor statistics
-    then stay one vector: each operation on them is one call, not one per tensor.
+    The float32 tensors go through one ``torch._foreach_norm`` (the same bits), the others one at a
+    time, cast as they are reduced. Per-tensor statistics then stay one vector: one call each.
     """
     tensors = list(tensors)
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
     norms: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
     plain = [i for i, t in enumerate(tensors) if t.dtype == torch.float32]
-    if plain:
-        for i, norm in zip(plain, torch._foreach_norm([tensors[i] for i in plain])):
-            norms[i] = norm
+    for i, norm in zip(plain, torch._foreach_norm([tensors[i] for i in plain]) if plain else []):
+        norms[i] = norm
     for i, t in enumerate(tensors):
         if norms[i] is None:
             norms[i] = torch.linalg.vector_norm(t, dtype=torch.float32)
@@ -88,11 +85,9 @@ def float32_norms(tensors: Sequence[Tensor]) -> Tensor:
 def all_finite(tensors: Iterable[Tensor]) -> bool:
     """``True`` when no element of any tensor is NaN or infinite.
 
-    One multi-tensor reduction for all tensors and one host read, with no boolean written per
-    element as ``torch.isfinite(t).all()`` does. The 2-norms come first (on CPU cheaper than the
-    largest absolute values): finite norms mean finite elements. A norm can overflow on finite
-    elements above about 1e19, so a non-finite one is checked again with the largest absolute
-    values, which cannot.
+    One multi-tensor reduction and one host read, no boolean per element. Finite 2-norms mean finite
+    elements; a norm can overflow on finite elements above about 1e19, so a non-finite one is
+    checked again with the largest absolute values, which cannot.
     """
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
@@ -102,20 +97,7 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, math.inf))).all())
 
 
-def non_finite_flag(t: Tensor) -> Tensor:
-    """``[1.0]`` if ``t`` has a NaN or infinite element, else ``[0.0]``: float32, on ``t``'s device.
-
-    Never read on the host (no GPU sync): ``aminmax`` propagates NaN, and an infinity is the
-    minimum or the maximum. One pass that writes nothing per element.
-    """
-    if t.numel() == 0:
-        return torch.zeros(1, dtype=torch.float32, device=t.device)
-    low, high = torch.aminmax(t.detach().reshape(-1))
-    return (~(torch.isfinite(low) & torch.isfinite(high))).to(torch.float32).reshape(1)
-
-
-#: elements of one stacked group of :func:`shape_groups` at most (16 MB of float32): the stacked
-#: copies are transient memory, and tensors larger than this gain nothing from stacking
+#: elements of one stacked group of :func:`shape_groups` at most (16 MB of float32, transient)
 GROUP_ELEMENTS = 1 << 22
 
 
@@ -123,10 +105,9 @@ def shape_groups(tensors: Sequence[Tensor], indices: Iterable[int]) -> list[list
     """``indices`` split by the shape, dtype and device of their tensors, in first-seen order.
 
     Same-shaped tensors (a layer's weights, repeated in every layer) stack into one tensor, so an
-    operation with a different 0-dim operand per tensor (a per-tensor threshold or factor) runs
-    as one broadcast call per shape rather than one per tensor: multi-tensor operations take
-    such operands tensor by tensor, a kernel launch each on a GPU. A group holds at most
-    :data:`GROUP_ELEMENTS` elements (or one tensor, if larger), so stacking costs bounded memory.
+    operation with a different 0-dim operand per tensor runs as one broadcast call per shape (a
+    multi-tensor call takes such operands tensor by tensor). A group holds at most
+    :data:`GROUP_ELEMENTS` elements (or one tensor, if larger): bounded memory.
     """
     groups: dict[tuple, list[list[int]]] = {}
     for i in indices:
@@ -136,14 +117,6 @@ def shape_groups(tensors: Sequence[Tensor], indices: Iterable[int]) -> list[list
             chunks.append([])
         chunks[-1].append(i)
     return [chunk for chunks in groups.values() for chunk in chunks]
-
-
-def per_tensor_operand(values: Sequence[Tensor], group: Sequence[int], ndim: int) -> Tensor:
-    """The 0-dim ``values[i]`` for ``i`` in ``group``, stacked to broadcast over the group's tensors stacked.
-
-    ``ndim``: the dimensions of each tensor of the group (one call, no copy from the host).
-    """
-    return torch.stack([values[i] for i in group]).view(-1, *([1] * ndim))
 
 
 def host_index(indices: Sequence[int], device: torch.device) -> Tensor:
@@ -184,8 +157,7 @@ def in_order(parts: Sequence[tuple[Sequence[int], Tensor]], n: int) -> Tensor:
 def flat_span(tensors: Sequence[Tensor]) -> Tensor | None:
     """The one-dimensional stretch of memory that ``tensors`` tile, in order, or ``None`` where they do not.
 
-    Consecutive contiguous pieces of one contiguous vector (the per-parameter views of a message or
-    of a DDP bucket, :func:`layout_views`): an operation on each then is one operation on the span.
+    Pieces of a message or a DDP bucket (:func:`layout_views`): an operation on each is one on the span.
     """
     first = tensors[0] if tensors else None
     base = None if first is None else first._base
@@ -225,6 +197,33 @@ def few(pieces_by_run: Sequence[tuple[int, int, int, int]]) -> bool:
     return PIECES_PER_RUN * len(pieces_by_run) <= sum(m for _, _, m, _ in pieces_by_run)
 
 
+#: per (bounds, device): the segment starts inside the vector and as many ones, on the device (see expanded);
+#: kept for the process's life (one entry per bucket shape): CUDA graphs of an allreduce read them (_graphs)
+SEGMENT_STARTS: dict[tuple[tuple[int, ...], torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def expanded(scales: Tensor, bounds: Sequence[int]) -> Tensor:
+    """``scales[j]`` at every element of segment ``j``: a flat tensor of ``bounds[-1]`` elements.
+
+    A 1 at each segment start (an empty segment's adds to the next one's), a running sum (each
+    element's segment index) and a gather, whatever the number of segments; the starts reach the
+    device once per layout, through pinned memory. Faster than ``repeat_interleave`` on the CPU.
+    """
+    key = (tuple(bounds), scales.device)
+    dtype = torch.int32 if bounds[-1] < 2**31 else torch.int64
+    cached = SEGMENT_STARTS.get(key)
+    if cached is None:
+        host = torch.tensor([b for b in bounds[1:-1] if b < bounds[-1]], dtype=torch.int64)
+        if scales.device.type == "cuda":
+            host = host.pin_memory()
+        starts = host.to(scales.device, non_blocking=True)
+        cached = SEGMENT_STARTS[key] = (starts, torch.ones(starts.numel(), dtype=dtype, device=scales.device))
+    starts, ones = cached
+    index = torch.zeros(bounds[-1], dtype=dtype, device=scales.device)
+    index.index_add_(0, starts, ones)
+    return scales.index_select(0, index.cumsum_(0))
+
+
 def apply_per_tensor(
     op: str, tensors: Sequence[Tensor], operands: Tensor | Sequence[Tensor] | Sequence[float], in_place: bool
 ) -> list[Tensor]:
@@ -232,10 +231,10 @@ def apply_per_tensor(
 
     In place (returns ``tensors``) or as new tensors. Host numbers go in one multi-tensor call;
     tensor operands (0-dim tensors, or one vector), which such a call takes tensor by tensor, in
-    broadcast calls: in place on tensors that tile one vector (:func:`flat_span`), per run of
-    same-sized tensors (:func:`runs`) or on the vector with the operands repeated; otherwise on
-    same-shaped tensors stacked (:func:`shape_groups`), copied back or handed out as views of the
-    stack. Tensor operands must be float32 or of their tensor's dtype.
+    broadcast calls: on tensors that tile one vector in order or in reverse (:func:`flat_span`), per
+    run of same-sized tensors (:func:`runs`) or on the vector with the operands repeated (new
+    tensors are pieces of a copy of the vector); otherwise on same-shaped tensors stacked
+    (:func:`shape_groups`). Tensor operands must be float32 or of their tensor's dtype.
     """
     tensors = list(tensors)
     if not tensors:
@@ -245,18 +244,23 @@ def apply_per_tensor(
         out = fn(tensors, list(operands))
         return tensors if in_place else list(out)
     vector = operands if isinstance(operands, Tensor) else None
-    span = flat_span(tensors) if in_place else None
+    span, ordered = flat_span(tensors), tensors
+    if span is None and len(tensors) > 1:  # a DDP bucket's pieces come in reverse parameter order
+        span = flat_span(tensors[::-1])
+        ordered = tensors if span is None else tensors[::-1]
+        vector = vector.flip(0) if vector is not None and span is not None else vector
     if span is not None:
-        vector = vector if vector is not None else torch.stack(list(operands))
-        numels = [t.numel() for t in tensors]
-        by_run = runs(numels)
-        if few(by_run):
+        vector = vector if vector is not None else torch.stack(list(operands)[:: 1 if ordered is tensors else -1])
+        target, numels = span if in_place else span.clone(), [t.numel() for t in ordered]
+        if few(by_run := runs(numels)):
             for j, o, m, n in by_run:
-                getattr(span[o : o + m * n].view(m, n), f"{op}_")(vector[j : j + m, None])
+                getattr(target[o : o + m * n].view(m, n), f"{op}_")(vector[j : j + m, None])
         else:
-            expanded = vector.repeat_interleave(host_index(numels, vector.device), output_size=span.numel())
-            getattr(span, f"{op}_")(expanded)
-        return tensors
+            getattr(target, f"{op}_")(expanded(vector, np.cumsum([0, *numels]).tolist()))
+        if in_place:
+            return tensors
+        out = [piece.view(t.shape) for piece, t in zip(target.split(numels), ordered)]
+        return out if ordered is tensors else out[::-1]
     out = list(tensors)
     groups = shape_groups(tensors, range(len(tensors)))
     rows = rows_by_group(vector, groups) if vector is not None else [None] * len(groups)
@@ -268,7 +272,8 @@ def apply_per_tensor(
             continue
         stacked = torch.stack([tensors[i] for i in group])
         ndim = stacked.dim() - 1
-        operand = per_tensor_operand(operands, group, ndim) if row is None else row.view(-1, *([1] * ndim))
+        operand = torch.stack([operands[i] for i in group]) if row is None else row
+        operand = operand.view(-1, *([1] * ndim))
         getattr(stacked, f"{op}_")(operand)
         if in_place:
             torch._foreach_copy_([tensors[i] for i in group], list(stacked.unbind()))
@@ -303,10 +308,8 @@ def layout_view(flat: Tensor, offset: int, like: Tensor) -> Tensor:
 
     DDP keeps a gradient in its bucket in its parameter's memory order when that order is dense (a
     transposed weight, a ``channels_last`` convolution), row-major otherwise, and reads the hook's
-    result back the same way; ``GradBucket.gradients()`` views every gradient row-major all the
-    same (torch 2.13), so it reads such a gradient transposed. A flat message laid out by this
-    view is what DDP expects back, and ``step()`` uses the same order, so both paths send the same
-    bytes. For a contiguous ``like`` it is ``.view(like.shape)``.
+    result back the same way (``GradBucket.gradients()`` views every one row-major all the same,
+    torch 2.13). ``step()`` uses the same order, so both paths send the same bytes.
     """
     piece = flat[offset : offset + like.numel()]
     if _laid_out_row_major(like):
@@ -317,9 +320,8 @@ def layout_view(flat: Tensor, offset: int, like: Tensor) -> Tensor:
 def layout_views(flat: Tensor, offsets: Sequence[int], likes: Sequence[Tensor]) -> list[Tensor]:
     """:func:`layout_view` of ``flat`` at each offset for each tensor of ``likes``, from one split of ``flat``.
 
-    A slice per tensor would be a call each; the split is one, and only tensors that are not
-    already one-dimensional take a second (their shape). Offsets must not decrease, and the pieces
-    must not overlap.
+    Only tensors that are not one-dimensional take a second call (their shape). Offsets must not
+    decrease, and the pieces must not overlap.
     """
     if not likes:
         return []
@@ -360,10 +362,9 @@ _base_of = operator.attrgetter("_base")
 def joined(elements: Sequence[Tensor], gather: bool = False) -> Tensor:
     """0-dim tensors as one vector, in order: a view when they are consecutive elements of one, else a stack.
 
-    ``unbind`` of a vector makes such elements (a state vector's entries, the per-tensor values a
-    collective's result carries); joining them back then costs no copy. A view shares their memory:
-    writing to it writes them. With ``gather``, elements of one vector in another order (a DDP
-    bucket's parameters are in reverse) are read by one gather instead of a stack: a copy either way.
+    ``unbind`` of a vector makes such elements; a view shares their memory (writing to it writes
+    them). With ``gather``, elements of one vector in another order (a DDP bucket's are in reverse)
+    are read by one gather instead of a stack: a copy either way.
     """
     first = elements[0] if elements else None
     base = None if first is None or first.dim() != 0 else first._base
@@ -385,9 +386,8 @@ def joined(elements: Sequence[Tensor], gather: bool = False) -> Tensor:
 def bit_checksum(tensors: list[Tensor], device: torch.device | str | None = None) -> Tensor:
     """Two int64 sums of the tensors' bit patterns (plain and position-weighted): equal iff bit-equal.
 
-    Exact integer sums (they wrap modulo 2^64 in any order): a flipped bit changes them, and the
-    weighted one catches tensors that swapped places. Computed on the tensors' device, the
-    result put on ``device`` (default: the first tensor's device, the CPU for none).
+    Exact integer sums (wrapping modulo 2^64): the weighted one catches tensors that swapped places.
+    Put on ``device`` (default: the first tensor's, the CPU for none).
     """
     home = tensors[0].device if tensors else torch.device("cpu")
     total = torch.zeros(2, dtype=torch.int64, device=home)

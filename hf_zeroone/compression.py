@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import few, runs
+from hf_zeroone._tensors import expanded, few, runs
 
 __all__ = [
     "ChunkLayout",
@@ -194,7 +194,7 @@ def _runs(bounds: Sequence[int]) -> list[tuple[int, int, int, int]] | None:
     An operation per run is a kernel launch on a GPU, and a compressed allreduce applies scales
     four times: runs serve when they are :func:`~hf_zeroone._tensors.few` (same-shaped tensors,
     1-bit DiLoCo's blocks) or their segments long. Many short segments of varied lengths (biases
-    and norms) get their scales expanded element by element (:func:`_expanded`, an extra pass
+    and norms) get their scales expanded element by element (:func:`~hf_zeroone._tensors.expanded`, an extra pass
     over the vector) and their norms in one multi-tensor call. Both forms give the same bits.
     """
     by_run = runs(np.diff(np.asarray(bounds, dtype=np.int64)))
@@ -205,32 +205,6 @@ def _runs(bounds: Sequence[int]) -> list[tuple[int, int, int, int]] | None:
 #: many segments of varied lengths shorter than this on average get their scales expanded (a little per
 #: element) rather than a call each (a kernel launch on a GPU); ``recipes/bench_kernels.py`` times both
 EXPAND_BELOW = 1 << 19
-#: per (bounds, device): the segment starts inside the vector and as many ones, on the device (see _expanded);
-#: kept for the process's life (one entry per bucket shape): CUDA graphs of an allreduce read them (_graphs)
-_STARTS: dict[tuple[tuple[int, ...], torch.device], tuple[Tensor, Tensor]] = {}
-
-
-def _expanded(scales: Tensor, bounds: Sequence[int]) -> Tensor:
-    """``scales[j]`` at every element of segment ``j``: a flat tensor of ``bounds[-1]`` elements.
-
-    A few operations whatever the number of segments: a 1 at each segment start (an empty
-    segment's adds to the next one's), a running sum that gives each element its segment's index,
-    a gather. The starts reach the device once per layout, through pinned memory (no host wait);
-    ``repeat_interleave`` would be slower on the CPU, with an 8-byte index per element.
-    """
-    key = (tuple(bounds), scales.device)
-    dtype = torch.int32 if bounds[-1] < 2**31 else torch.int64
-    cached = _STARTS.get(key)
-    if cached is None:
-        host = torch.tensor([b for b in bounds[1:-1] if b < bounds[-1]], dtype=torch.int64)
-        if scales.device.type == "cuda":
-            host = host.pin_memory()
-        starts = host.to(scales.device, non_blocking=True)
-        cached = _STARTS[key] = (starts, torch.ones(starts.numel(), dtype=dtype, device=scales.device))
-    starts, ones = cached
-    index = torch.zeros(bounds[-1], dtype=dtype, device=scales.device)
-    index.index_add_(0, starts, ones)
-    return scales.index_select(0, index.cumsum_(0))
 
 
 def _check_bounds(x: Tensor, scales_or_counts: Tensor, bounds: Sequence[int]) -> None:
@@ -272,7 +246,7 @@ def compression_error(x: Tensor, scales: Tensor, bounds: Sequence[int], out: Ten
     _check_bounds(x, scales, bounds)
     by_run = _runs(bounds)
     if by_run is None:
-        torch.copysign(_expanded(scales, bounds), x, out=out)
+        torch.copysign(expanded(scales, bounds), x, out=out)
         return torch.sub(x, out, out=out)
     for j, o, m, n in by_run:
         torch.copysign(scales[j : j + m, None], x[o : o + m * n].view(m, n), out=out[o : o + m * n].view(m, n))
@@ -285,7 +259,7 @@ def decompress(packed: Tensor, scales: Tensor, bounds: Sequence[int], out: Tenso
     _check_bounds(out, scales, bounds)
     by_run = _runs(bounds)
     if by_run is None:
-        return out.mul_(_expanded(scales, bounds))
+        return out.mul_(expanded(scales, bounds))
     for j, o, m, n in by_run:
         out[o : o + m * n].view(m, n).mul_(scales[j : j + m, None])
     return out

@@ -73,7 +73,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hf_zeroone._iterations import BackwardPasses, forget_results_on_next_backward
 from hf_zeroone._iterations import known as known_passes
-from hf_zeroone._tensors import non_finite_flag
 from hf_zeroone.optim import CompressedAdamBase, StepKind
 from hf_zeroone.optim._flat import consecutive_views
 from hf_zeroone.optim.onebit_diloco import OneBitDiLoCo
@@ -145,6 +144,18 @@ class ZeroOneHookState:
             return None
         scale = getattr(scaler, "_scale", None)  # a tensor: no host sync, unlike get_scale()
         return scale.double() if isinstance(scale, Tensor) else torch.tensor(float(scaler.get_scale()))
+
+
+def non_finite_flag(t: Tensor) -> Tensor:
+    """``[1.0]`` if ``t`` has a NaN or infinite element, else ``[0.0]``: float32, on ``t``'s device.
+
+    Never read on the host (no GPU sync): ``aminmax`` propagates NaN, and an infinity is the
+    minimum or the maximum. One pass that writes nothing per element.
+    """
+    if t.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=t.device)
+    low, high = torch.aminmax(t.detach().reshape(-1))
+    return (~(torch.isfinite(low) & torch.isfinite(high))).to(torch.float32).reshape(1)
 
 
 def _done(value: Tensor) -> torch.futures.Future:

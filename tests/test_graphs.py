@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_zeroone import _graphs, compression
+from hf_zeroone import _graphs, _tensors
 from hf_zeroone._graphs import GraphedJobs, _Recording, graphs_enabled
 from hf_zeroone.comm import Communicator
 from hf_zeroone.compression import ChunkLayout
@@ -123,12 +123,12 @@ def test_a_call_with_other_objects_replaces_the_keys_recording(monkeypatch):
     assert len(jobs._calls) == 1 and jobs._calls["k"].of[0] is new
 
 
-def test_the_segment_starts_that_graphs_read_are_never_dropped_from_compressions_cache():
-    """A recorded graph reads the device tensors of ``compression._STARTS``: an entry must outlive every graph."""
+def test_the_segment_starts_that_graphs_read_are_never_dropped_from_their_cache():
+    """A recorded graph reads the device tensors of ``_tensors.SEGMENT_STARTS``: an entry must outlive every graph."""
     scales = torch.ones(3)
     first = (0, 5, 9, 20)
-    compression._expanded(scales, first)
-    kept = compression._STARTS[first, scales.device]
+    _tensors.expanded(scales, first)
+    kept = _tensors.SEGMENT_STARTS[first, scales.device]
     for i in range(1, 1500):  # many bucket shapes
-        compression._expanded(scales, (0, 5, 9, 20 + i))
-    assert compression._STARTS[first, scales.device] is kept
+        _tensors.expanded(scales, (0, 5, 9, 20 + i))
+    assert _tensors.SEGMENT_STARTS[first, scales.device] is kept

@@ -9,9 +9,11 @@ tensor count. They also pin the results against the per-tensor formulas, bit for
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+import hf_zeroone._tensors as T
 from hf_zeroone._tensors import float32_norms
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._grad_scale import IDLE_BELOW, kept_fraction, sample_statistics
@@ -137,7 +139,6 @@ def test_the_momentum_lerps_give_the_per_tensor_bits_in_a_few_calls():
 
 def test_per_tensor_operands_applied_by_shape_give_the_multi_tensor_bits():
     """The stacked form of ``t * f`` / ``t / f`` equals the multi-tensor call, in place or not."""
-    import hf_zeroone._tensors as T
 
     gen = torch.Generator().manual_seed(8)
     tensors = _tensors(25, seed=9)
@@ -160,6 +161,43 @@ def test_per_tensor_operands_applied_by_shape_give_the_multi_tensor_bits():
     few = _calls(T.apply_per_tensor, "mul", small, [torch.tensor(2.0)] * 10, True)
     many = _calls(T.apply_per_tensor, "mul", large, [torch.tensor(2.0)] * 200, True)
     assert many <= few + 2, (few, many)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_per_tensor_operands_on_a_vectors_pieces_in_either_order_work_on_the_vector(reverse, in_place):
+    """A DDP bucket's pieces come in reverse parameter order: the operands still apply to the vector they tile, in
+    place or into one new vector, with the tensor-by-tensor bits; no tensor is stacked or copied back."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    for pieces in (9, 90):  # operands repeated over the vector; a run of same-sized pieces at a time
+        g = torch.Generator().manual_seed(pieces)
+        likes = [torch.empty(s) for s in [(3, 4), (5,), (0,), (2, 2, 2), (1,)] + [(4, 2)] * pieces]
+        offsets = [sum(t.numel() for t in likes[:i]) for i in range(len(likes))]
+        flat = torch.randn(offsets[-1] + 8, generator=g)
+        views = T.layout_views(flat, offsets, likes)
+        views = views[::-1] if reverse else views
+        factors = torch.rand(len(views), generator=g) + 0.5
+        want = [v / f for v, f in zip(views, factors.unbind())]
+        before = flat.clone()
+        with Ops() as mode:
+            got = T.apply_per_tensor("div", views, list(factors.unbind()), in_place=in_place)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and torch.equal(a, b)
+        assert mode.names.count("stack") == 1 and "_foreach_copy_" not in mode.names, mode.names  # the operands
+        assert mode.names.count("div_") <= 6, mode.names
+        if not in_place:
+            assert torch.equal(flat, before)
+            assert T.flat_span(got[::-1] if reverse else got) is not None  # pieces of one new vector
 
 
 class _Outputs(TorchFunctionMode):

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from hf_zeroone._tensors import add_scalar_, all_finite, div_scalar_, mul_scalar, mul_scalar_, non_finite_flag
+from hf_zeroone._tensors import add_scalar_, all_finite, div_scalar_, mul_scalar, mul_scalar_
+from hf_zeroone.ddp_hook import non_finite_flag
 
 
 def test_all_finite_finds_any_nan_or_inf():

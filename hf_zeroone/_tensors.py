@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterable, Sequence
-from itertools import repeat
+from itertools import groupby, repeat
 
 import numpy as np
 import torch
@@ -154,22 +154,51 @@ def in_order(parts: Sequence[tuple[Sequence[int], Tensor]], n: int) -> Tensor:
     return out.index_copy_(0, host_index(order, values.device), values)
 
 
+_base_of, _dtype_of, _shape_of = map(operator.attrgetter, ("_base", "dtype", "shape"))
+
+
 def flat_span(tensors: Sequence[Tensor]) -> Tensor | None:
     """The one-dimensional stretch of memory that ``tensors`` tile, in order, or ``None`` where they do not.
 
-    Pieces of a message or a DDP bucket (:func:`layout_views`): an operation on each is one on the span.
+    Pieces of a message or a DDP bucket (:func:`hf_zeroone.optim._flat.layout_views`): an operation
+    on each is one operation on the span.
     """
     first = tensors[0] if tensors else None
     base = None if first is None else first._base
     if base is None or not base.is_contiguous() or not all(map(operator.is_, map(_base_of, tensors), repeat(base))):
         return None
-    if not all(map(Tensor.is_contiguous, tensors)) or any(t.dtype != base.dtype for t in tensors):
+    if not all(map(Tensor.is_contiguous, tensors)) or not all(
+        map(operator.eq, map(_dtype_of, tensors), repeat(base.dtype))
+    ):
         return None
-    offsets, numels = list(map(Tensor.storage_offset, tensors)), list(map(Tensor.numel, tensors))
-    if any(o + n != nxt for o, n, nxt in zip(offsets, numels, offsets[1:])):
+    offsets = np.fromiter(map(Tensor.storage_offset, tensors), np.int64, len(tensors))
+    ends = offsets + np.fromiter(map(Tensor.numel, tensors), np.int64, len(tensors))
+    if not np.array_equal(offsets[1:], ends[:-1]):
         return None
-    start = offsets[0] - base.storage_offset()
-    return base.view(-1).narrow(0, start, offsets[-1] + numels[-1] - offsets[0])
+    return base.view(-1).narrow(0, int(offsets[0]) - base.storage_offset(), int(ends[-1] - offsets[0]))
+
+
+def tiling(tensors: list[Tensor]) -> tuple[Tensor | None, bool]:
+    """:func:`flat_span` of ``tensors`` or, ``True`` second, of them reversed (a DDP bucket's order)."""
+    if len(tensors) > 1 and tensors[0].storage_offset() > tensors[-1].storage_offset():
+        span = flat_span(tensors[::-1])
+        return span, span is not None
+    return flat_span(tensors), False
+
+
+def pieces(vector: Tensor, like: list[Tensor], reverse: bool) -> list[Tensor]:
+    """``vector`` cut into pieces shaped like ``like``'s tensors, laid in it in order or (``reverse``) reversed.
+
+    One view per run of same-shaped tensors (a layer's weights), unbound: no call per tensor.
+    """
+    out: list[Tensor] = []
+    offset = 0
+    for shape, run in groupby(map(_shape_of, like[::-1] if reverse else like)):
+        m, n = len(list(run)), math.prod(shape)
+        block = vector.narrow(0, offset, m * n)
+        out += block.view(m, *shape).unbind(0) if m > 1 else [block.view(shape)]
+        offset += m * n
+    return out[::-1] if reverse else out
 
 
 #: consecutive pieces of one length go a run at a time when the runs hold at least this many pieces on average
@@ -244,14 +273,11 @@ def apply_per_tensor(
         out = fn(tensors, list(operands))
         return tensors if in_place else list(out)
     vector = operands if isinstance(operands, Tensor) else None
-    span, ordered = flat_span(tensors), tensors
-    if span is None and len(tensors) > 1:  # a DDP bucket's pieces come in reverse parameter order
-        span = flat_span(tensors[::-1])
-        ordered = tensors if span is None else tensors[::-1]
-        vector = vector.flip(0) if vector is not None and span is not None else vector
+    span, reverse = tiling(tensors)
     if span is not None:
-        vector = vector if vector is not None else torch.stack(list(operands)[:: 1 if ordered is tensors else -1])
-        target, numels = span if in_place else span.clone(), [t.numel() for t in ordered]
+        vector = torch.stack(list(operands)) if vector is None else vector
+        vector = vector.flip(0) if reverse else vector
+        target, numels = span if in_place else span.clone(), [t.numel() for t in tensors[:: -1 if reverse else 1]]
         if few(by_run := runs(numels)):
             for j, o, m, n in by_run:
                 getattr(target[o : o + m * n].view(m, n), f"{op}_")(vector[j : j + m, None])
@@ -259,8 +285,7 @@ def apply_per_tensor(
             getattr(target, f"{op}_")(expanded(vector, np.cumsum([0, *numels]).tolist()))
         if in_place:
             return tensors
-        out = [piece.view(t.shape) for piece, t in zip(target.split(numels), ordered)]
-        return out if ordered is tensors else out[::-1]
+        return pieces(target, tensors, reverse)
     out = list(tensors)
     groups = shape_groups(tensors, range(len(tensors)))
     rows = rows_by_group(vector, groups) if vector is not None else [None] * len(groups)
@@ -281,82 +306,6 @@ def apply_per_tensor(
             for i, value in zip(group, stacked.unbind()):
                 out[i] = value
     return out
-
-
-def _dense_in_its_own_order(t: Tensor) -> bool:
-    """Whether ``t``'s elements fill a block of memory without gaps or overlaps (its strides a permutation).
-
-    The rule of ``TensorImpl::compute_non_overlapping_and_dense``, by which DDP lays a parameter's
-    gradient in its bucket: dimensions of size 1 do not count.
-    """
-    dims = sorted((d for d in range(t.dim()) if t.size(d) > 1), key=t.stride)
-    expected = 1
-    for d in dims:
-        if t.stride(d) != expected:
-            return False
-        expected *= t.size(d)
-    return True
-
-
-def _laid_out_row_major(like: Tensor) -> bool:
-    """Whether DDP lays ``like``'s gradient row-major in a bucket: contiguous, or not dense in its own order."""
-    return like.is_contiguous() or not _dense_in_its_own_order(like)
-
-
-def layout_view(flat: Tensor, offset: int, like: Tensor) -> Tensor:
-    """``flat[offset : offset + like.numel()]`` seen with ``like``'s shape, in the order DDP lays ``like`` in a bucket.
-
-    DDP keeps a gradient in its bucket in its parameter's memory order when that order is dense (a
-    transposed weight, a ``channels_last`` convolution), row-major otherwise, and reads the hook's
-    result back the same way (``GradBucket.gradients()`` views every one row-major all the same,
-    torch 2.13). ``step()`` uses the same order, so both paths send the same bytes.
-    """
-    piece = flat[offset : offset + like.numel()]
-    if _laid_out_row_major(like):
-        return piece.view(like.shape)
-    return piece.as_strided(like.shape, like.stride())
-
-
-def layout_views(flat: Tensor, offsets: Sequence[int], likes: Sequence[Tensor]) -> list[Tensor]:
-    """:func:`layout_view` of ``flat`` at each offset for each tensor of ``likes``, from one split of ``flat``.
-
-    Only tensors that are not one-dimensional take a second call (their shape). Offsets must not
-    decrease, and the pieces must not overlap.
-    """
-    if not likes:
-        return []
-    sizes, picks, pos = [], [], 0
-    for offset, like in zip(offsets, likes):
-        if offset < pos:
-            raise ValueError(f"layout_views: offset {offset} inside the previous piece (which ends at {pos})")
-        if offset > pos:
-            sizes.append(offset - pos)
-        picks.append(len(sizes))
-        sizes.append(like.numel())
-        pos = offset + like.numel()
-    if pos < flat.numel():
-        sizes.append(flat.numel() - pos)
-    pieces = flat.split(sizes)
-    out = []
-    for i, like in zip(picks, likes):
-        piece = pieces[i]
-        if not _laid_out_row_major(like):
-            out.append(piece.as_strided(like.shape, like.stride()))
-        else:
-            out.append(piece if piece.shape == like.shape else piece.view(like.shape))
-    return out
-
-
-def layout_order(t: Tensor, like: Tensor) -> Tensor:
-    """``t``, shaped like ``like``, flat in ``like``'s :func:`layout_view` order (``reshape(-1)`` if contiguous)."""
-    if _laid_out_row_major(like):
-        return t.reshape(-1)
-    out = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-    layout_view(out, 0, like).copy_(t)
-    return out
-
-
-_base_of = operator.attrgetter("_base")
 
 
 def joined(elements: Sequence[Tensor], gather: bool = False) -> Tensor:

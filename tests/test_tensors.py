@@ -133,7 +133,7 @@ def test_stacked_per_tensor_operands_give_the_tensor_by_tensor_bits(monkeypatch,
 
 def test_layout_order_is_memory_order_where_dense_and_row_major_elsewhere():
     """The order DDP lays a gradient in its bucket (``layout_view``): the parameter's own memory order if dense."""
-    from hf_zeroone._tensors import layout_order, layout_view
+    from hf_zeroone.optim._flat import layout_order, layout_view
 
     base = torch.arange(24.0)
     dense = {
@@ -154,7 +154,8 @@ def test_layout_order_is_memory_order_where_dense_and_row_major_elsewhere():
 
 def test_per_tensor_operands_on_views_of_one_vector_are_one_operation_with_the_per_tensor_bits():
     """``apply_per_tensor`` in place on pieces that tile a vector: the span at once, as tensor by tensor."""
-    from hf_zeroone._tensors import apply_per_tensor, flat_span, layout_views
+    from hf_zeroone._tensors import apply_per_tensor, flat_span
+    from hf_zeroone.optim._flat import layout_views
 
     g = torch.Generator().manual_seed(2)
     shapes = [(3, 4), (5,), (0,), (2, 2, 2), (1,)]
@@ -179,7 +180,8 @@ def test_per_tensor_operands_on_views_of_one_vector_are_one_operation_with_the_p
 @pytest.mark.parametrize("op", ["mul", "div"])
 def test_per_tensor_operands_on_runs_of_same_sized_views_have_the_per_tensor_bits(shapes, op):
     """Same-sized pieces of a span (a bucket of one layer's weights) take their operands a run at a time."""
-    from hf_zeroone._tensors import apply_per_tensor, few, layout_views, runs
+    from hf_zeroone._tensors import apply_per_tensor, few, runs
+    from hf_zeroone.optim._flat import layout_views
 
     g = torch.Generator().manual_seed(len(shapes))
     likes = [torch.empty(s) for s in shapes]

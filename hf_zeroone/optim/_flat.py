@@ -12,7 +12,7 @@ depend on DDP's buckets: the state entries are views into the flat storage,
 
 A parameter's elements lie in the flat vectors in the order DDP lays its gradient in a bucket:
 its memory order when that is dense (a transposed weight, a ``channels_last`` convolution),
-row-major otherwise (:func:`hf_zeroone._tensors.layout_view`); "the flattened parameter" above
+row-major otherwise (:func:`layout_view`); "the flattened parameter" above
 means this order.
 
 When a new layout is built for parameters that already have error state (DDP rebuilt its buckets,
@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import layout_order, layout_view, layout_views
 from hf_zeroone.compression import ChunkLayout
 
 __all__ = [
@@ -54,6 +53,79 @@ __all__ = [
 
 #: a parameter's error-feedback state entries: its two buffers and where its server error starts
 ERROR_STATE = ("worker_error", "server_error", "server_error_start")
+
+
+def _dense_in_its_own_order(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory without gaps or overlaps (its strides a permutation).
+
+    The rule of ``TensorImpl::compute_non_overlapping_and_dense``, by which DDP lays a parameter's
+    gradient in its bucket: dimensions of size 1 do not count.
+    """
+    dims = sorted((d for d in range(t.dim()) if t.size(d) > 1), key=t.stride)
+    expected = 1
+    for d in dims:
+        if t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+def _laid_out_row_major(like: Tensor) -> bool:
+    """Whether DDP lays ``like``'s gradient row-major in a bucket: contiguous, or not dense in its own order."""
+    return like.is_contiguous() or not _dense_in_its_own_order(like)
+
+
+def layout_view(flat: Tensor, offset: int, like: Tensor) -> Tensor:
+    """``flat[offset : offset + like.numel()]`` seen with ``like``'s shape, in the order DDP lays ``like`` in a bucket.
+
+    DDP keeps a gradient in its bucket in its parameter's memory order when that order is dense (a
+    transposed weight, a ``channels_last`` convolution), row-major otherwise, and reads the hook's
+    result back the same way (``GradBucket.gradients()`` views every one row-major all the same,
+    torch 2.13). ``step()`` uses the same order, so both paths send the same bytes.
+    """
+    piece = flat[offset : offset + like.numel()]
+    if _laid_out_row_major(like):
+        return piece.view(like.shape)
+    return piece.as_strided(like.shape, like.stride())
+
+
+def layout_views(flat: Tensor, offsets: Sequence[int], likes: Sequence[Tensor]) -> list[Tensor]:
+    """:func:`layout_view` of ``flat`` at each offset for each tensor of ``likes``, from one split of ``flat``.
+
+    Only tensors that are not one-dimensional take a second call (their shape). Offsets must not
+    decrease, and the pieces must not overlap.
+    """
+    if not likes:
+        return []
+    sizes, picks, pos = [], [], 0
+    for offset, like in zip(offsets, likes):
+        if offset < pos:
+            raise ValueError(f"layout_views: offset {offset} inside the previous piece (which ends at {pos})")
+        if offset > pos:
+            sizes.append(offset - pos)
+        picks.append(len(sizes))
+        sizes.append(like.numel())
+        pos = offset + like.numel()
+    if pos < flat.numel():
+        sizes.append(flat.numel() - pos)
+    pieces = flat.split(sizes)
+    out = []
+    for i, like in zip(picks, likes):
+        piece = pieces[i]
+        if not _laid_out_row_major(like):
+            out.append(piece.as_strided(like.shape, like.stride()))
+        else:
+            out.append(piece if piece.shape == like.shape else piece.view(like.shape))
+    return out
+
+
+def layout_order(t: Tensor, like: Tensor) -> Tensor:
+    """``t``, shaped like ``like``, flat in ``like``'s :func:`layout_view` order (``reshape(-1)`` if contiguous)."""
+    if _laid_out_row_major(like):
+        return t.reshape(-1)
+    out = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    layout_view(out, 0, like).copy_(t)
+    return out
 
 
 @dataclass

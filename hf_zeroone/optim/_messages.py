@@ -42,9 +42,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import apply_per_tensor, float32_norms, layout_order, moved
+from hf_zeroone._tensors import apply_per_tensor, float32_norms, moved
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _grad_scale, _local_phase, _masks
+from hf_zeroone.optim._flat import layout_order
 from hf_zeroone.optim._grad_scale import kept_fraction, norm_left
 from hf_zeroone.optim._step_kind import StepKind
 

@@ -227,7 +227,7 @@ def few(pieces_by_run: Sequence[tuple[int, int, int, int]]) -> bool:
 
 
 #: per (bounds, device): the segment starts inside the vector and as many ones, on the device (see expanded);
-#: kept for the process's life (one entry per bucket shape): CUDA graphs of an allreduce read them (_graphs)
+#: kept for the process's life (one entry per layout: a bucket's, a list of tensors'): CUDA graphs read them
 SEGMENT_STARTS: dict[tuple[tuple[int, ...], torch.device], tuple[Tensor, Tensor]] = {}
 
 

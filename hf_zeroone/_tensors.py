@@ -124,6 +124,13 @@ def host_index(indices: Sequence[int], device: torch.device) -> Tensor:
     return torch.tensor(indices, dtype=torch.int64).to(device, non_blocking=True)
 
 
+def picked(values: Tensor, index: Sequence[int]) -> Tensor:
+    """``values[index]`` for host integers ``index``: ``values`` itself where ``index`` is ``0 .. n - 1``."""
+    if list(index) == list(range(values.numel())):
+        return values
+    return values.index_select(0, host_index(index, values.device))
+
+
 def rows_by_group(values: Tensor, groups: Sequence[Sequence[int]]) -> list[Tensor]:
     """The entries of a per-tensor vector for each group of :func:`shape_groups` (of all or some tensors).
 

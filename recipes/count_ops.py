@@ -45,20 +45,22 @@ def _model(n: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def _top_level_aten(prof: torch.profiler.profile) -> int:
-    count = 0
+def _aten_counts(prof: torch.profiler.profile) -> tuple[int, int]:
+    """The ``aten::`` operations of a profile: the top-level ones (not called from inside another), and all."""
+    top = every = 0
     for event in prof.events():
         if not event.name.startswith("aten::"):
             continue
+        every += 1
         parent = event.cpu_parent
         while parent is not None and not parent.name.startswith("aten::"):
             parent = parent.cpu_parent
-        count += parent is None
-    return count
+        top += parent is None
+    return top, every
 
 
-def _run(name: str, kwargs: dict, n: int, steps: int, profile: bool) -> dict[str, list[float]]:
-    """Per step kind: the top-level operation counts of each step (``profile``) or its seconds."""
+def _run(name: str, kwargs: dict, n: int, steps: int, profile: bool) -> dict[str, list]:
+    """Per step kind: each step's :func:`_aten_counts` (``profile``) or its seconds against DDP + AdamW's."""
     from hf_zeroone import OneBitAdam, ZeroOneAdam, register_zeroone_hook
 
     def build(name: str) -> tuple[DDP, torch.optim.Optimizer]:
@@ -73,7 +75,7 @@ def _run(name: str, kwargs: dict, n: int, steps: int, profile: bool) -> dict[str
     baseline = None if profile or name == "adamw" else build("adamw")  # timed step for step beside it
     gen = torch.Generator().manual_seed(dist.get_rank())
     config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    out: dict[str, list[float]] = {}
+    out: dict[str, list] = {}
     cpu = [torch.profiler.ProfilerActivity.CPU]
 
     def step(x: torch.Tensor, ddp: DDP = ddp, opt: torch.optim.Optimizer = opt) -> float:
@@ -89,7 +91,7 @@ def _run(name: str, kwargs: dict, n: int, steps: int, profile: bool) -> dict[str
         if profile:
             with torch.profiler.profile(activities=cpu, experimental_config=config) as prof:
                 step(x)
-            value = float(_top_level_aten(prof))
+            value = _aten_counts(prof)
         else:
             value = step(x)
             if baseline is not None:  # each step against a DDP + AdamW step taken right after it
@@ -109,33 +111,39 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     sizes = [int(n) for n in args.tensors.split(",")]
-    counts: dict[tuple[str, str], dict[int, float]] = {}
+    counts: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
     ratios: dict[tuple[str, str], dict[int, float]] = {}
     adamw = ("DDP + AdamW(foreach=True)", "whole step")
+
+    def medians(values: list[tuple[int, int]]) -> tuple[float, float]:
+        return statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)
+
     for n in sizes:
-        counts.setdefault(adamw, {})[n] = statistics.median(_run("adamw", {}, n, args.steps, True)["whole step"])
+        counts.setdefault(adamw, {})[n] = medians(_run("adamw", {}, n, args.steps, True)["whole step"])
         for label, (name, kwargs) in RUNS.items():
             ops = _run(name, kwargs, n, args.steps, True)
             times = _run(name, kwargs, n, args.steps, False)
             for kind, values in ops.items():
-                counts.setdefault((label, kind), {})[n] = statistics.median(values)
+                counts.setdefault((label, kind), {})[n] = medians(values)
                 ratios.setdefault((label, kind), {})[n] = statistics.median(times[kind])
     if dist.get_rank() == 0:
         small, large = sizes[0], sizes[-1]
         base = counts[adamw]
-        print(f"Top-level aten operations per step, all threads, rank 0 ({dist.get_world_size()} gloo ranks, "
+        print(f"aten operations per step, all threads, rank 0 ({dist.get_world_size()} gloo ranks, "
               f"N Linear(8, 8) tensors in one DDP bucket):\n")  # fmt: skip
         print(f"| optimizer | step kind | ops at N={large} | beyond DDP + AdamW | per tensor | "
-              f"growth per added tensor, N={small}..{large} | time vs DDP + AdamW, N={large} |")  # fmt: skip
-        print("|---|---|---:|---:|---:|---:|---:|")
+              f"growth per added tensor, N={small}..{large} | all ops beyond, per tensor | "
+              f"time vs DDP + AdamW, N={large} |")  # fmt: skip
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
         for (label, kind), by_n in counts.items():
             if large not in by_n or small not in by_n:
                 continue
-            extra = {n: by_n[n] - base[n] for n in (small, large)}
+            extra = {n: by_n[n][0] - base[n][0] for n in (small, large)}
             growth = (extra[large] - extra[small]) / (large - small) if large > small else float("nan")
+            nested = (by_n[large][1] - base[large][1]) / large
             ratio = ratios.get((label, kind), {}).get(large)
-            print(f"| {label} | {kind} | {by_n[large]:.0f} | {extra[large]:.0f} | {extra[large] / large:.1f} | "
-                  f"{growth:.1f} | {'1.00x' if ratio is None else f'{ratio:.2f}x'} |")  # fmt: skip
+            print(f"| {label} | {kind} | {by_n[large][0]:.0f} | {extra[large]:.0f} | {extra[large] / large:.1f} | "
+                  f"{growth:.1f} | {nested:.1f} | {'1.00x' if ratio is None else f'{ratio:.2f}x'} |")  # fmt: skip
     dist.destroy_process_group()
 
 

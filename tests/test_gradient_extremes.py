@@ -125,7 +125,7 @@ def test_an_overflowed_mean_square_norm_leaves_the_implied_gradient_as_it_is():
     from hf_zeroone.optim._functional import norm_proxy_factors
 
     views = [torch.full((4,), 2.0), torch.full((4,), 2.0)]
-    (factor, handed), (factor_inf, handed_inf) = norm_proxy_factors(views, torch.tensor([64.0, float("inf")]))
+    (factor, factor_inf), (handed, handed_inf) = norm_proxy_factors(views, torch.tensor([64.0, float("inf")]))
     assert (float(factor), float(handed)) == (2.0, 8.0)
     assert (float(factor_inf), float(handed_inf)) == (1.0, 4.0)
     assert views[1].tolist() == [2.0] * 4
@@ -141,7 +141,7 @@ def test_an_implied_gradient_too_small_to_rescale_is_left_as_it_is():
 
     tiny = torch.tensor([-1.2612e-44])  # subnormal in float32
     views = [tiny.clone(), torch.full((4,), 2.0)]
-    (factor, handed), (factor2, handed2) = norm_proxy_factors(views, torch.tensor([0.2138, 64.0]))
+    (factor, factor2), (handed, handed2) = norm_proxy_factors(views, torch.tensor([0.2138, 64.0]))
     assert (float(factor), float(handed)) == (1.0, float(tiny.abs()))
     assert torch.equal(views[0], tiny)
     assert (float(factor2), float(handed2)) == (2.0, 8.0)

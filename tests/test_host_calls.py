@@ -73,8 +73,8 @@ def test_the_vector_forms_give_the_per_tensor_results_bit_for_bit():
     mean_sq[7] = 0.0
     mean_sq[9] = float("nan")
     before = [v.clone() for v in views]
-    entries = F.norm_proxy_factors(views, mean_sq)
-    for v, old, m, (factor, handed) in zip(views, before, mean_sq, entries):
+    factors, handed_norms = F.norm_proxy_factors(views, mean_sq)
+    for v, old, m, factor, handed in zip(views, before, mean_sq, factors, handed_norms):
         norm = torch.linalg.vector_norm(old)
         ok = (norm > 0) & (m > 0) & torch.isfinite(norm)
         assert torch.equal(factor, torch.where(ok, m.sqrt() / norm, torch.ones_like(norm)))

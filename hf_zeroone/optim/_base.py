@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import all_finite
+from hf_zeroone._tensors import all_finite, picked
 from hf_zeroone._warnings import user_stacklevel
 from hf_zeroone.optim import _agreement, _local_phase, _masks
 from hf_zeroone.optim import _functional as F
@@ -34,6 +34,15 @@ __all__ = ["DEFAULT_CHECK_REPLICAS_EVERY", "UNSET_FREEZE_STEP", "CompressedAdamB
 
 #: steps skipped in a row as GradScaler overflows (non-finite combined values) before a warning says so
 SKIPS_BEFORE_WARNING = 20
+
+
+def _divisors_of(params: list[Tensor], divisors: tuple[dict[int, int], Tensor] | None) -> tuple | None:
+    """``params``' positions among ``divisors`` and their entries, as :func:`._functional.adam_update` takes them."""
+    if divisors is None:
+        return None
+    where, vector = divisors
+    positions = [i for i, p in enumerate(params) if id(p) in where]
+    return (positions, picked(vector, [where[id(params[i])] for i in positions])) if positions else None
 
 
 class CompressedAdamBase(OptimizerBooks):
@@ -189,7 +198,8 @@ class CompressedAdamBase(OptimizerBooks):
 
     def _step(self, kind: StepKind, loss: Any) -> Any:  # noqa: ANN401
         hook_done = self.communicated_step == self.schedule["step"]
-        pending: dict[Tensor, Tensor] = {}  # divisors the update applies (1-bit Adam's norm proxies)
+        # divisors the update applies (1-bit Adam's norm proxies): id(param) -> entry of the vector
+        pending: tuple[dict[int, int], Tensor] | None = None
         found_inf = scaler_found_inf(self)
         if found_inf is not None:  # a GradScaler's protocol (._amp_scaler): every rank skips if one overflowed
             exchanges = kind.communicates_in_backward and not hook_done
@@ -233,15 +243,23 @@ class CompressedAdamBase(OptimizerBooks):
                 )
                 updates = [(g, p, v) for (g, p, _), v in zip(updates, values)]
             if local or (kind is StepKind.ONEBIT_MOMENTUM and hook_done):
-                divisors = self.messages.norm_proxy_divisors([p for _, p, _ in updates], [v for _, _, v in updates])
+                values = [v for _, _, v in updates]
+                positions, divisors = self.messages.norm_proxy_divisors([p for _, p, _ in updates], values)
                 # Float32 implied gradients are divided inside the update: no divided copy of each. The
                 # finiteness check below then reads them undivided; a factor only shrinks a norm that
                 # float32 holds (an infinite norm gets factor 1), so their quotients are finite too.
-                if not local:
-                    for i, ((_, p, v), d) in enumerate(zip(updates, divisors)):
-                        if d is not None and v.dtype == p.dtype == torch.float32:
-                            pending[p], divisors[i] = d, None
-                values = F.divided([v for _, _, v in updates], divisors)
+                if not local and divisors is not None:
+                    inside = [
+                        j for j, i in enumerate(positions) if values[i].dtype == updates[i][1].dtype == torch.float32
+                    ]
+                    if inside:
+                        pending = (
+                            {id(updates[positions[j]][1]): k for k, j in enumerate(inside)},
+                            picked(divisors, inside),
+                        )
+                        now = sorted(set(range(len(positions))) - set(inside))
+                        positions, divisors = [positions[j] for j in now], picked(divisors, now) if now else None
+                values = F.divided(values, positions, divisors)
                 updates = [(g, p, v) for (g, p, _), v in zip(updates, values)]
         self.messages.contain_spikes()
         for _, _, value in updates:
@@ -329,11 +347,14 @@ class CompressedAdamBase(OptimizerBooks):
         self.flat_cache.refresh_masks(changed)
 
     def _apply(
-        self, kind: StepKind, updates: list[tuple[dict[str, Any], Tensor, Tensor]], divisors: dict[Tensor, Tensor]
+        self,
+        kind: StepKind,
+        updates: list[tuple[dict[str, Any], Tensor, Tensor]],
+        divisors: tuple[dict[int, int], Tensor] | None,
     ) -> None:
         """Update every parameter and its state from its combined result (or its local gradient).
 
-        ``divisors``: per parameter, a 0-dim float32 tensor its (float32) value is divided by first.
+        ``divisors``: ``id(param)`` -> entry of a float32 vector its (float32) value is divided by first.
         """
         local = kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
         for group, params, values in by_group(updates):
@@ -365,7 +386,7 @@ class CompressedAdamBase(OptimizerBooks):
                 c1=c1,
                 decay=decay,
                 update_variance=kind is StepKind.EXACT,
-                divisors=[divisors.get(p) for p in params] if divisors else None,
+                divisors=_divisors_of(params, divisors),
                 make_denominators=(lambda dens=dens: dens)
                 if dens is not None
                 else (lambda group=group, params=params, c2=c2: self._denominators(group, params, kind, c2)),

@@ -38,6 +38,7 @@ from hf_zeroone._tensors import (
     moved,
     mul_scalar,
     mul_scalar_,
+    picked,
     rows_by_group,
     shape_groups,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "adam_update",
     "divided",
     "by_group",
+    "per_tensor_in_dtypes",
     "clip_to_variance",
     "denominators",
     "from_update_units",
@@ -183,22 +185,22 @@ def adam_update(
     decay: float,
     update_variance: bool,
     make_denominators,  # noqa: ANN001 - () -> list[Tensor], called after the variance update
-    divisors: Sequence[Tensor | None] | None = None,
+    divisors: tuple[Sequence[int], Tensor] | None = None,
 ) -> list[Tensor]:
     """One Adam update of every parameter (see the module docstring); returns the denominators used.
 
-    ``divisors``: 0-dim float32 tensors (``None`` where none), by which each float32 gradient is
-    divided first (:meth:`~._messages.Messages.undo_norm_proxies`).
+    ``divisors``: positions in the lists and a float32 vector, by which those gradients are
+    divided first (:meth:`~._messages.Messages.undo_norm_proxies`, :func:`divided`).
     """
     params, grads, exp_avgs = list(params), list(grads), list(exp_avgs)
     if divisors is not None and update_variance:  # v reads the divided gradients: divide them first
-        grads, divisors = divided(grads, divisors), None
+        grads, divisors = divided(grads, *divisors), None
     if update_variance:
         mul_scalar_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(list(exp_avg_sqs), grads, grads, value=1.0 - beta2)
     dens = make_denominators()  # from v alone: the momentum and parameters below do not enter them
     if divisors is not None:
-        grads = divided(grads, divisors)
+        grads = divided(grads, *divisors)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     if decay != 1.0:
         mul_scalar_(params, decay)
@@ -206,12 +208,30 @@ def adam_update(
     return dens
 
 
-def divided(values: Sequence[Tensor], divisors: Sequence[Tensor | None]) -> list[Tensor]:
-    """Each value over its divisor (0-dim, of its dtype or float32), as new tensors; as it is where ``None``."""
-    out, index = list(values), [i for i, d in enumerate(divisors) if d is not None]
-    if index:
-        quotients = apply_per_tensor("div", [values[i] for i in index], [divisors[i] for i in index], in_place=False)
-        for i, value in zip(index, quotients):
+def per_tensor_in_dtypes(op: str, tensors: Sequence[Tensor], factors: Tensor, in_place: bool) -> list[Tensor]:
+    """:func:`~hf_zeroone._tensors.apply_per_tensor` with each float32 factor first rounded to its tensor's dtype.
+
+    One call per dtype among ``tensors`` (one, as a rule), whatever their number.
+    """
+    tensors = list(tensors)
+    dtypes = list(dict.fromkeys(t.dtype for t in tensors))
+    if len(dtypes) <= 1:
+        return apply_per_tensor(op, tensors, moved(factors, dtype=dtypes[0]) if dtypes else factors, in_place)
+    out = list(tensors)
+    for dtype in dtypes:
+        index = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        done = apply_per_tensor(op, [tensors[i] for i in index], moved(picked(factors, index), dtype=dtype), in_place)
+        for i, value in zip(index, done):
+            out[i] = value
+    return out
+
+
+def divided(values: Sequence[Tensor], positions: Sequence[int], divisors: Tensor | None) -> list[Tensor]:
+    """The values at ``positions`` over their divisors (a float32 vector, each rounded to its value's dtype),
+    as new tensors; the others as they are."""
+    out = list(values)
+    if divisors is not None and positions:
+        for i, value in zip(positions, per_tensor_in_dtypes("div", [values[i] for i in positions], divisors, False)):
             out[i] = value
     return out
 
@@ -361,18 +381,19 @@ def local_sq_norms(grads: Sequence[Tensor | None], norms: Tensor | None = None) 
 
 def norm_proxy_factors(
     views: Sequence[Tensor], mean_sq_norms: Tensor, norms: Tensor | None = None
-) -> list[tuple[Tensor, Tensor]]:
+) -> tuple[Tensor, Tensor]:
     """Rescale each implied gradient in place to the norm ``sqrt(mean_sq_norms[i])``.
 
-    Returns, per tensor, the factor applied and the norm handed on (the view's own norm where the
-    factor is 1: a zero, non-finite or missing norm, or one so small that the factor overflows,
-    leaves the view as it is). The per-tensor norms and factors are computed as vectors (a few
-    calls for all tensors), the views scaled by :func:`~hf_zeroone._tensors.apply_per_tensor`.
-    ``norms``: the views' :func:`float32_norms`, where already known.
+    Returns two float32 vectors: the factor applied to each tensor and the norm handed on (the
+    view's own norm where the factor is 1: a zero, non-finite or missing norm, or one so small that
+    the factor overflows, leaves the view as it is). The views are scaled by
+    :func:`~hf_zeroone._tensors.apply_per_tensor`. ``norms``: the views' :func:`float32_norms`,
+    where already known.
     """
     views = list(views)
     if not views:
-        return []
+        empty = torch.zeros(0, dtype=torch.float32)
+        return empty, empty
     norms = float32_norms(views) if norms is None else norms
     mean_sq = moved(mean_sq_norms, norms.device, torch.float32)
     root = mean_sq.sqrt()
@@ -381,4 +402,4 @@ def norm_proxy_factors(
     factors = torch.where(ok, ratio, 1.0)
     handed = torch.where(ok, root, norms)
     apply_per_tensor("mul", views, factors, in_place=True)
-    return list(zip(factors.unbind(), handed.unbind()))
+    return factors, handed

@@ -57,9 +57,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import in_order, joined, moved, mul_scalar_, rows_by_group, shape_groups
+from hf_zeroone._tensors import host_index, in_order, joined, moved, mul_scalar_, picked, rows_by_group, shape_groups
 from hf_zeroone.optim import _functional as F
-from hf_zeroone.optim._scalar_vectors import adopt, as_vector, read_vector
+from hf_zeroone.optim._scalar_vectors import Noted, adopt, as_vector, read_vector
 from hf_zeroone.optim._step_kind import StepKind
 
 __all__ = ["GradientScale", "factors", "kept_fraction", "sample_statistics", "scale_samples"]
@@ -224,22 +224,21 @@ class GradientScale:
     """
 
     def __init__(self) -> None:
-        #: per parameter: its sample, and the norm handed on as ``p.grad`` (``None``: unclipped)
-        self.samples: dict[Tensor, tuple[Tensor, Tensor | None]] = {}
+        #: per parameter: its sample
+        self.samples = Noted()
         #: per parameter: the sample of the averaged gradient (exact steps of several ranks)
-        self.averaged: dict[Tensor, Tensor] = {}
+        self.averaged = Noted()
         #: per parameter: the fraction of the implied gradient's norm that clipping kept this step
-        self.kept: dict[Tensor, Tensor] = {}
+        self.kept = Noted()
 
-    def record(self, params: Sequence[Tensor], samples: Tensor, handed_norms: Sequence[Tensor] | None = None) -> None:
-        for i, (p, value) in enumerate(zip(params, samples.unbind())):
-            self.samples[p] = (value, None if handed_norms is None else handed_norms[i])
+    def record(self, params: Sequence[Tensor], samples: Tensor) -> None:
+        self.samples.note(params, samples)
 
     def record_averaged(self, params: Sequence[Tensor], samples: Tensor) -> None:
-        self.averaged.update(zip(params, samples.unbind()))
+        self.averaged.note(params, samples)
 
-    def note_kept(self, p: Tensor, fraction: Tensor) -> None:
-        self.kept[p] = fraction
+    def note_kept(self, params: Sequence[Tensor], fractions: Tensor) -> None:
+        self.kept.note(params, fractions)
 
     def fold(
         self,
@@ -257,9 +256,9 @@ class GradientScale:
         tensor's ``scale_pending``; the next sync pools them over ranks (:meth:`fold_pending`), so
         that every replica keeps the same ``G``. ``groups``: the step's ``(group, params, values)``.
         """
-        samples, self.samples = self.samples, {}
-        averaged, self.averaged = self.averaged, {}
-        kept_fractions, self.kept = self.kept, {}
+        samples, self.samples = self.samples, Noted()
+        averaged, self.averaged = self.averaged, Noted()
+        kept_fractions, self.kept = self.kept, Noted()
         if not enabled:
             return
         if kind is StepKind.EXACT:
@@ -286,16 +285,17 @@ class GradientScale:
                     adopt(states, _P, torch.stack([st.get(_P, zero) for st in states]))
                 as_vector(states, _P).add_(q)
                 continue
-            taken = [(p, v, *samples[p]) for p, v in zip(params, values) if p in samples and _G in state_of(p)]
-            if not taken:
+            scaled = [p for p in params if _G in state_of(p)]
+            positions, q = samples.gather(scaled)
+            if not positions:
                 continue
-            device = taken[0][0].device
-            q = joined([m for _, _, m, _ in taken]).to(device=device, dtype=torch.float32)
-            kept = [self._kept(p, v, handed, kept_fractions) for p, v, _, handed in taken]
-            if any(k is not None for k in kept):
-                ones = torch.ones((), dtype=torch.float32, device=device)
-                q = q * torch.stack([ones if k is None else moved(k, device) for k in kept]).square()
-            self._update(group, [state_of(p) for p, _, _, _ in taken], q, schedule, steps=1)
+            taken = [scaled[i] for i in positions]
+            q = q.to(device=taken[0].device, dtype=torch.float32)
+            clipped, kept = kept_fractions.gather(taken)
+            if clipped:  # the samples of gradients that clipping cut, by the square of what it kept
+                factor = torch.ones_like(q).index_copy_(0, host_index(clipped, q.device), moved(kept, q.device))
+                q = q * factor.square()
+            self._update(group, [state_of(p) for p in taken], q, schedule, steps=1)
         if local:
             schedule["scale_pending_steps"] = schedule.get("scale_pending_steps", 0) + 1
         schedule["scale_samples"] = schedule.get("scale_samples", 0) + 1
@@ -370,11 +370,18 @@ class GradientScale:
             else:  # a group over several devices: each G on its parameter's (not one vector)
                 for p, st in zip(params, states):
                     st[_G] = torch.ones((), dtype=torch.float32, device=p.device)
-            both = [(p, st) for p, st in zip(params, states) if p in samples and p in averaged]
+            local_at, local = samples.gather(params)
+            averaged_at, averaged_samples = averaged.gather(params)
+            both = sorted(set(local_at) & set(averaged_at))
             if both:  # rho <- decay rho + (1 - decay) local / averaged, as one vector for all tensors
-                device = both[0][0].device
-                local = torch.stack([moved(samples[p][0], device) for p, _ in both])
-                ratio = local / torch.stack([moved(averaged[p], device) for p, _ in both]).clamp(min=_TINY)
+                device = params[both[0]].device
+                at_local, at_averaged = (
+                    {i: k for k, i in enumerate(local_at)},
+                    {i: k for k, i in enumerate(averaged_at)},
+                )
+                local = moved(picked(local, [at_local[i] for i in both]), device)
+                ratio = local / moved(picked(averaged_samples, [at_averaged[i] for i in both]), device).clamp(min=_TINY)
+                both = [(params[i], states[i]) for i in both]
                 # no measurement, no excess (1): where there is no gradient anywhere (a tensor the
                 # loss does not reach; 0 would divide later samples into 0/0, and a local sample is
                 # never below the averaged one: the mean of squares bounds the square of the mean),
@@ -388,11 +395,3 @@ class GradientScale:
                 measured = True
         if measured:
             schedule["noise_samples"] = noise + gap
-
-    @staticmethod
-    def _kept(p: Tensor, value: Tensor, handed: Tensor | None, kept_fractions: dict) -> Tensor | None:  # noqa: ANN401
-        if p in kept_fractions:
-            return kept_fractions[p]
-        if handed is not None:  # clipped after the hook handed it on
-            return kept_fraction(norm_left(torch.linalg.vector_norm(value, dtype=torch.float32), handed))
-        return None

@@ -98,8 +98,9 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     for t in views.held() if views is not None else ():
         add("variance_views", t)
     messages = getattr(optimizer, "messages", None)
-    for t in _tensors(getattr(messages, "norm_proxy_factors", {})):
-        add("norm_proxy", t)
+    for noted in (getattr(messages, "proxy_factors", None), getattr(messages, "handed_norms", None)):
+        for t in noted.tensors() if noted is not None else ():
+            add("norm_proxy", t)
     return out
 
 

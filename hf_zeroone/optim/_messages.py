@@ -42,11 +42,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import apply_per_tensor, float32_norms, moved
+from hf_zeroone._tensors import apply_per_tensor, float32_norms, host_index, moved
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _grad_scale, _local_phase, _masks
 from hf_zeroone.optim._flat import layout_order
 from hf_zeroone.optim._grad_scale import kept_fraction, norm_left
+from hf_zeroone.optim._scalar_vectors import Noted
 from hf_zeroone.optim._step_kind import StepKind
 
 __all__ = ["Messages"]
@@ -67,9 +68,11 @@ class Messages:
 
     def __init__(self, optimizer: Any) -> None:  # noqa: ANN401 - a CompressedAdamBase
         self.opt = optimizer
-        #: per parameter, the factor :meth:`finish` applied to this step's implied gradient
-        #: and the norm it handed on (``None``: a local gradient, :meth:`hand_on_local_gradients`)
-        self.norm_proxy_factors: dict[Tensor, tuple[Tensor, Tensor | None]] = {}
+        #: per parameter, the factor (float32) :meth:`finish` applied to this step's implied gradient,
+        #: or :meth:`hand_on_local_gradients` to a local one
+        self.proxy_factors = Noted()
+        #: per parameter, the norm :meth:`finish` handed on (implied gradients only)
+        self.handed_norms = Noted()
         #: per chunk of parameters, the fraction of each handed-on norm that clipping left (see contain_spikes)
         self._clip_fractions: list[tuple[list[Tensor], Tensor]] = []
         #: per parameter, the mean over ranks of the local samples summed since the last sync
@@ -229,9 +232,9 @@ class Messages:
             apply_per_tensor("mul", list(views), self.sync_units(params), in_place=True)
         rest = lane
         if kind is StepKind.ONEBIT_MOMENTUM:
-            averaged = self._averaged_sq_norms(params, rest[:n])
-            for p, entry in zip(params, F.norm_proxy_factors(views, averaged)):
-                self.norm_proxy_factors[p] = entry
+            factors, handed = F.norm_proxy_factors(views, self._averaged_sq_norms(params, rest[:n]))
+            self.proxy_factors.note(params, factors)
+            self.handed_norms.note(params, handed)
             rest = rest[n:]
         if opt.follow_gradient_scale and (
             kind.communicates_in_backward and (kind.compressed or opt.comm.is_distributed)
@@ -266,26 +269,33 @@ class Messages:
         (:meth:`._grad_scale.GradientScale.noise_excess`, at least 1), it estimates what AdamW's
         clipping sees. Without ``rho`` (one rank, ``follow_gradient_scale=False``), the mean itself.
         """
-        divisors = self._noise_excesses(params)
-        if all(d is None for d in divisors):
+        positions, rho = self._noise_excesses(params)
+        if rho is None:
             return local_mean
-        one = torch.ones((), dtype=local_mean.dtype, device=local_mean.device)  # stacked on the device: no host copy
-        return local_mean / torch.stack([one if d is None else moved(d, local_mean.device) for d in divisors])
+        rho = moved(rho, local_mean.device)
+        if len(positions) < len(params):  # 1 where none was measured
+            rho = torch.ones_like(local_mean).index_copy_(0, host_index(positions, local_mean.device), rho)
+        elif positions != list(range(len(params))):
+            rho = torch.empty_like(local_mean).index_copy_(0, host_index(positions, local_mean.device), rho)
+        return local_mean / rho
 
-    def _noise_excesses(self, params: Sequence[Tensor]) -> list[Tensor | None]:
-        """Per parameter, its local gradients' noise excess ``rho`` (at least 1), ``None`` where none was measured.
+    def _noise_excesses(self, params: Sequence[Tensor]) -> tuple[list[int], Tensor | None]:
+        """The positions in ``params`` of the tensors whose noise excess ``rho`` was measured, and ``rho`` (at least 1).
 
         :meth:`._grad_scale.GradientScale.noise_excess`: measured on the exact steps of several
-        ranks when ``follow_gradient_scale`` is on.
+        ranks when ``follow_gradient_scale`` is on. ``None``: none measured.
         """
         opt = self.opt
-        out: list[Tensor | None] = [None] * len(params)
+        positions: list[int] = []
+        parts: list[Tensor] = []
         for group, ps, index in opt.grouped(params, range(len(params))):
             rho = _grad_scale.GradientScale.noise_excess([opt.state[p] for p in ps], group["betas"][1], opt.schedule)
             if rho is not None:
-                for i, value in zip(index, rho.clamp(min=1.0).unbind()):
-                    out[i] = value
-        return out
+                positions += index
+                parts.append(rho.clamp(min=1.0))
+        if not parts:
+            return [], None
+        return positions, parts[0] if len(parts) == 1 else torch.cat([moved(t, parts[0].device) for t in parts])
 
     def hand_on_local_gradients(
         self, params: Sequence[Tensor], grads: Sequence[Tensor], in_place: bool
@@ -308,16 +318,14 @@ class Messages:
         last bits.
         """
         out = list(grads)
-        rhos = self._noise_excesses(params)
-        index = [i for i, rho in enumerate(rhos) if rho is not None]
-        if not index:
+        positions, rho = self._noise_excesses(params)
+        if rho is None:
             return out
-        chosen = [grads[i] for i in index]
-        factors = F.as_dtypes(list(torch.stack([rhos[i] for i in index]).rsqrt().unbind()), chosen)
-        scaled = apply_per_tensor("mul", chosen, factors, in_place=in_place)
-        for i, value, factor in zip(index, scaled, factors):
+        factors = rho.rsqrt()
+        scaled = F.per_tensor_in_dtypes("mul", [grads[i] for i in positions], factors, in_place=in_place)
+        for i, value in zip(positions, scaled):
             out[i] = value
-            self.norm_proxy_factors[params[i]] = (factor, None)
+        self.proxy_factors.note([params[i] for i in positions], factors)
         return out
 
     def undo_norm_proxies(self, params: Sequence[Tensor], values: Sequence[Tensor]) -> list[Tensor]:
@@ -325,14 +333,19 @@ class Messages:
 
         New tensors where a factor is divided out (:meth:`norm_proxy_divisors`); the others as they are.
         """
-        return F.divided(values, self.norm_proxy_divisors(params, values))
+        return F.divided(values, *self.norm_proxy_divisors(params, values))
 
-    def norm_proxy_divisors(self, params: Sequence[Tensor], values: Sequence[Tensor]) -> list[Tensor | None]:
-        """What divides each value back into an implied gradient (or a local one), ``None`` where nothing does.
+    def norm_proxy_divisors(
+        self, params: Sequence[Tensor], values: Sequence[Tensor]
+    ) -> tuple[list[int], Tensor | None]:
+        """What divides each value back into an implied gradient (or a local one): positions and float32 divisors.
 
-        A local gradient (:meth:`hand_on_local_gradients`) is only scaled back. A parameter without
-        a factor this step keeps its value. Each divisor is the factor in its value's dtype; ``step()``
-        divides 1-bit Adam's float32 values inside the update (:func:`._functional.adam_update`).
+        The positions in ``params`` of the parameters with a factor this step, and the factors as
+        one vector (``None``: none); the others keep their value. A local gradient
+        (:meth:`hand_on_local_gradients`) is only scaled back. Each divisor is rounded to its
+        value's dtype before it divides (:func:`._functional.divided`); ``step()`` divides 1-bit
+        Adam's float32 values inside the update (:func:`._functional.adam_update`). Every factor
+        noted so far is used up.
 
         If clipping cut an implied gradient to less than ``_SPIKE_CLIP`` of its norm (a spike, not
         the routine clipping of a run whose gradients hover above the threshold), the
@@ -342,24 +355,16 @@ class Messages:
         discards the compression residuals error feedback needs. The fraction is noted here and
         acted on by :meth:`contain_spikes`, which reads all of a step's fractions on the host at once.
         """
-        divisors: list[Tensor | None] = [None] * len(values)
-        measured, handed = [], []
-        for i, (p, value) in enumerate(zip(params, values)):
-            entry = self.norm_proxy_factors.pop(p, None)
-            if entry is None:
-                continue
-            factor, handed_norm = entry
-            if handed_norm is not None:  # an implied gradient, not a local one (hand_on_local_gradients)
-                measured.append(i)
-                handed.append(handed_norm)
-            divisors[i] = moved(factor, dtype=value.dtype)
+        positions, factors = self.proxy_factors.gather(params)
+        measured, handed = self.handed_norms.gather(params)
+        self.proxy_factors.clear()
+        self.handed_norms.clear()
         if measured:  # the norms clipping left over the norms handed on, as one vector for all tensors
-            clipped = norm_left(float32_norms([values[i] for i in measured]), torch.stack(handed).to(torch.float32))
+            clipped = norm_left(float32_norms([values[i] for i in measured]), moved(handed, dtype=torch.float32))
             chosen = [params[i] for i in measured]
-            for p, kept in zip(chosen, kept_fraction(clipped).unbind()):
-                self.opt.gradient_scale.note_kept(p, kept)
+            self.opt.gradient_scale.note_kept(chosen, kept_fraction(clipped))
             self._clip_fractions.append((chosen, clipped))
-        return divisors
+        return positions, factors
 
     def contain_spikes(self) -> None:
         """Scale the error buffers of the parameters :meth:`undo_norm_proxies` found spiked.

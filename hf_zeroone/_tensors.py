@@ -23,6 +23,14 @@ def _scalar_operand(tensors: Sequence[Tensor], value: float) -> float | Tensor:
     return torch.full((), value, dtype=dtype)  # one call (torch.tensor makes four)
 
 
+def by_value(numbers: Iterable[float]) -> dict[float, list[int]]:
+    """The positions of each distinct host number, in first-seen order (per-tensor numbers are mostly one per group)."""
+    out: dict[float, list[int]] = {}
+    for i, value in enumerate(numbers):
+        out.setdefault(value, []).append(i)
+    return out
+
+
 def moved(t: Tensor, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Tensor:
     """``t.to(device=device, dtype=dtype)``, or ``t`` itself where it has both (a ``.to`` that copies nothing
     is still a dispatched call)."""
@@ -265,7 +273,8 @@ def apply_per_tensor(
 ) -> list[Tensor]:
     """``t * f`` or ``t / f`` (``op``: ``"mul"`` or ``"div"``) for each tensor and its operand.
 
-    In place (returns ``tensors``) or as new tensors. Host numbers go in one multi-tensor call;
+    In place (returns ``tensors``) or as new tensors. Host numbers go in one multi-tensor call per
+    distinct number;
     tensor operands (0-dim tensors, or one vector), which such a call takes tensor by tensor, in
     broadcast calls: on tensors that tile one vector in order or in reverse (:func:`flat_span`), per
     run of same-sized tensors (:func:`runs`) or on the vector with the operands repeated (new
@@ -275,10 +284,14 @@ def apply_per_tensor(
     tensors = list(tensors)
     if not tensors:
         return tensors
-    if not isinstance(operands, Tensor) and not isinstance(operands[0], Tensor):
-        fn = getattr(torch, f"_foreach_{op}_" if in_place else f"_foreach_{op}")
-        out = fn(tensors, list(operands))
-        return tensors if in_place else list(out)
+    if not isinstance(operands, Tensor) and not isinstance(operands[0], Tensor):  # one call per distinct number
+        fn, out = getattr(torch, f"_foreach_{op}_" if in_place else f"_foreach_{op}"), list(tensors)
+        for value, index in by_value(operands).items():
+            chosen = [tensors[i] for i in index]
+            done = fn(chosen, _scalar_operand(chosen, value))
+            for i, t in zip(index, chosen if in_place else done):
+                out[i] = t
+        return out
     vector = operands if isinstance(operands, Tensor) else None
     span, reverse = tiling(tensors)
     if span is not None:

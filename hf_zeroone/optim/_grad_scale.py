@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import host_index, in_order, joined, moved, mul_scalar_, picked, rows_by_group, shape_groups
+from hf_zeroone._tensors import host_index, in_order, moved, mul_scalar_, picked, rows_by_group, shape_groups
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._scalar_vectors import Noted, adopt, as_vector, read_vector
 from hf_zeroone.optim._step_kind import StepKind
@@ -302,14 +302,14 @@ class GradientScale:
 
     def fold_pending(
         self,
-        groups: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]],
+        groups: list[tuple[dict[str, Any], list[Tensor], Tensor]],
         state_of,
         schedule: dict[str, Any],  # noqa: ANN001
     ) -> None:
         """At a sync: the local samples since the last one, summed per rank and averaged over ranks, into ``G``.
 
-        ``groups``: ``(group, params, summed samples)``, identical on every rank. ``k`` local steps
-        with the same mean sample ``q`` give ``G <- beta2^k G + (1 - beta2^k) q``.
+        ``groups``: ``(group, params, summed samples)``, a vector identical on every rank. ``k`` local
+        steps with the same mean sample ``q`` give ``G <- beta2^k G + (1 - beta2^k) q``.
         """
         steps = schedule.get("scale_pending_steps", 0)
         for group, params, sums in groups:
@@ -318,14 +318,17 @@ class GradientScale:
                 st.pop(_P, None)
             keep = [i for i, st in enumerate(states) if _G in st]
             if steps and keep:
-                q = joined([sums[i] for i in keep]).to(torch.float32) / steps
+                q = picked(sums, keep).to(torch.float32) / steps
                 self._update(group, [states[i] for i in keep], q, schedule, steps=steps)
         schedule["scale_pending_steps"] = 0
 
     @staticmethod
-    def pending(state: dict[str, Any], like: Tensor) -> Tensor:
-        """This rank's local samples summed since the last sync (zero if none)."""
-        return state[_P] if _P in state else torch.zeros((), dtype=torch.float32, device=like.device)
+    def pending(states: Sequence[dict[str, Any]], like: Tensor) -> Tensor:
+        """This rank's local samples summed since the last sync (zero where none), one float32 vector."""
+        if all(_P in st for st in states):
+            return read_vector(states, _P)
+        zero = torch.zeros((), dtype=torch.float32, device=like.device)
+        return torch.stack([st.get(_P, zero) for st in states])
 
     @staticmethod
     def noise_excess(states: Sequence[dict[str, Any]], beta2: float, schedule: dict[str, Any]) -> Tensor | None:

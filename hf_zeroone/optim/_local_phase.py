@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import all_finite, moved
+from hf_zeroone._tensors import all_finite, apply_per_tensor, by_value, moved
 from hf_zeroone.optim._functional import as_dtypes, by_group
+from hf_zeroone.optim._scalar_vectors import Noted
 from hf_zeroone.optim._step_kind import StepKind
 
 __all__ = [
@@ -77,9 +78,10 @@ def new_displacements(params: list[Tensor], states: list[dict[str, Any]]) -> lis
 
 
 def _scale_unless_one(tensors: list[Tensor], factors: list[float]) -> None:
-    """Multiply each tensor by its factor in place; skipped when every factor is 1 (no weight decay)."""
-    if any(f != 1.0 for f in factors):
-        torch._foreach_mul_(tensors, factors)
+    """Multiply each tensor by its factor in place, one call per distinct factor; those of factor 1 are left alone."""
+    scaled = [i for i, f in enumerate(factors) if f != 1.0]
+    if scaled:
+        apply_per_tensor("mul", [tensors[i] for i in scaled], [factors[i] for i in scaled], in_place=True)
 
 
 def displacement_is_derived(p: Tensor, state: dict[str, Any], out: Tensor) -> bool:
@@ -87,9 +89,7 @@ def displacement_is_derived(p: Tensor, state: dict[str, Any], out: Tensor) -> bo
     return "update_accumulator" not in state and p.dtype == out.dtype
 
 
-def per_lr_units(
-    states: list[dict[str, Any]], scale_factors: list[Tensor | None] | None = None
-) -> list[float] | list[Tensor]:
+def per_lr_units(states: list[dict[str, Any]], scale_factors: Tensor | None = None) -> list[float] | Tensor:
     """The divisor of each ``u`` in a sync's 1-bit message: the learning rate summed over the interval.
 
     ``u / sum(lr)`` is the interval's mean update per unit of learning rate (``m / (c1 d)``
@@ -102,23 +102,21 @@ def per_lr_units(
     learning rate over the interval (``sum(lr) = 0``) sends its momentum instead
     (:func:`idle_messages`).
 
-    ``scale_factors``: ``follow_gradient_scale``'s factor ``f`` of each tensor (``None``: none), by
+    ``scale_factors``: ``follow_gradient_scale``'s factor ``f`` of each tensor (a vector, 1 where a
+    tensor has none; ``None``: the option is off), by
     which the local steps' denominators ``d = sqrt(v f / c2) + eps`` moved away from the frozen
     ``v``'s. The divisor is then ``sum(lr) / sqrt(f)``: the message is ``m / (c1 d)`` with the
     *frozen* ``d``, units that stay put while ``v`` is frozen, as 1-bit Adam's do. In units that
     follow ``f`` an error kept at one sync is paid back at the next in units that have moved, and
     error feedback no longer sums to the exact average: where the gradient's scale falls far after
     the freeze (the least squares of ``tests/test_convergence_defaults.py``), 0/1 Adam then ends
-    clearly above AdamW's loss, and in frozen units close to it. Returns 0-dim float32 tensors
-    then.
+    clearly above AdamW's loss, and in frozen units close to it. Returns a float32 vector then.
     """
     lr_sums = [st["lr_sum"] if st["lr_sum"] > 0 else 1.0 for st in states]
-    if scale_factors is None or all(f is None for f in scale_factors):
+    if scale_factors is None:
         return lr_sums
-    device = next(f.device for f in scale_factors if f is not None)
-    ones = torch.ones((), dtype=torch.float32, device=device)
-    factors = torch.stack([ones if f is None else moved(f, dtype=torch.float32) for f in scale_factors])
-    return list((torch.tensor(lr_sums, dtype=torch.float32, device=device) / factors.sqrt()).unbind())
+    device = scale_factors.device
+    return torch.tensor(lr_sums, dtype=torch.float32, device=device) / moved(scale_factors, dtype=torch.float32).sqrt()
 
 
 def idle_messages(opt: Any, params: list[Tensor], states: list[dict[str, Any]], outs: list[Tensor]) -> None:  # noqa: ANN401
@@ -167,7 +165,8 @@ def apply_sync(
     _scale_unless_one(params, decays)
     torch._foreach_sub_(params, us)
     torch._foreach_zero_(exp_avgs)
-    torch._foreach_addcmul_(exp_avgs, us, dens, scales)
+    for scale, index in by_value(scales).items():  # one call per distinct scale (one per group, as a rule)
+        torch._foreach_addcmul_([exp_avgs[i] for i in index], [us[i] for i in index], [dens[i] for i in index], scale)
     for p, st in zip(params, states):
         if "update_accumulator" in st:
             if accumulates_displacement(p):
@@ -221,12 +220,16 @@ def sync(opt: Any, synced: list[tuple[dict[str, Any], Tensor, Tensor]], step: in
     A non-finite average (an overflowing local update on some rank) discards the local steps since
     the last sync on every rank instead, with a warning.
     """
-    pooled, opt.messages.pending_means = opt.messages.pending_means, {}
-    items = []  # (group, param, the interval's summed local samples, averaged over ranks)
-    if opt.follow_gradient_scale and opt.comm.is_distributed:  # the means from the sync's exact lane
-        items = [item for item in ((g, p, pooled.get(p)) for g, p, _ in synced) if item[2] is not None]
-    elif opt.follow_gradient_scale:  # one process: its own sums are the mean
-        items = [(g, p, opt.gradient_scale.pending(opt.state[p], p)) for g, p, _ in synced]
+    pooled, opt.messages.pending_means = opt.messages.pending_means, Noted()
+    pending = []  # (group, params, the interval's summed local samples averaged over ranks, one vector)
+    for group, params, _ in by_group(synced) if opt.follow_gradient_scale else ():
+        if opt.comm.is_distributed:  # the means from the sync's exact lane
+            positions, sums = pooled.gather(params)
+            params = [params[i] for i in positions]
+        else:  # one process: its own sums are the mean
+            sums = opt.gradient_scale.pending([opt.state[p] for p in params], params[0])
+        if params:
+            pending.append((group, params, sums))
     if all_finite(v for _, _, v in synced):
         for group, params, values in by_group(synced):
             states = [opt.state[p] for p in params]
@@ -234,7 +237,7 @@ def sync(opt: Any, synced: list[tuple[dict[str, Any], Tensor, Tensor]], step: in
             dens = opt._denominators(group, params, StepKind.ONEBIT_SYNC, c2)
             apply_sync(params, states, values, c1, dens)
         if opt.follow_gradient_scale:  # the interval's gradient scale, pooled over ranks: the same G everywhere
-            opt.gradient_scale.fold_pending(by_group(items), lambda p: opt.state[p], opt.schedule)
+            opt.gradient_scale.fold_pending(pending, lambda p: opt.state[p], opt.schedule)
         return
     # The combined u is identical on every rank, so every rank takes this branch.
     warnings.warn(

@@ -76,7 +76,7 @@ class Messages:
         #: per chunk of parameters, the fraction of each handed-on norm that clipping left (see contain_spikes)
         self._clip_fractions: list[tuple[list[Tensor], Tensor]] = []
         #: per parameter, the mean over ranks of the local samples summed since the last sync
-        self.pending_means: dict[Tensor, Tensor] = {}
+        self.pending_means = Noted()
 
     def write(
         self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None], outs: Sequence[Tensor],
@@ -155,15 +155,30 @@ class Messages:
                 convert([server], [layout_order(d, p)[start : start + server.numel()]], stats.means)
             self.opt.variance_views.release([p])
 
-    def sync_units(self, params: Sequence[Tensor]) -> list[float] | list[Tensor]:
+    def sync_units(self, params: Sequence[Tensor]) -> list[float] | Tensor:
         """The divisor of each parameter's sync message (:func:`._local_phase.per_lr_units`), in order."""
         opt = self.opt
-        factors: dict[int, Tensor | None] = {}
-        for group, ps, _ in opt.grouped(params, params):
+        states = [opt.state[p] for p in params]
+        if not opt.follow_gradient_scale:
+            return _local_phase.per_lr_units(states)
+        positions: list[int] = []
+        parts: list[Tensor] = []
+        for group, ps, index in opt.grouped(params, range(len(params))):
             scaled = opt.scale_factors(group, ps)
-            scaled = scaled.unbind() if isinstance(scaled, Tensor) else scaled or [None] * len(ps)
-            factors.update(zip(map(id, ps), scaled))
-        return _local_phase.per_lr_units([opt.state[p] for p in params], [factors[id(p)] for p in params])
+            if not isinstance(scaled, Tensor):  # some without a factor: 1
+                index = [i for i, f in zip(index, scaled) if f is not None]
+                scaled = torch.stack([f for f in scaled if f is not None]) if index else None
+            if scaled is not None:
+                positions += index
+                parts.append(moved(scaled, dtype=torch.float32))
+        if not parts:
+            return _local_phase.per_lr_units(states)
+        device = parts[0].device
+        factors = torch.cat([moved(t, device) for t in parts]) if len(parts) > 1 else parts[0]
+        if positions != list(range(len(params))):
+            filled = torch.ones(len(params), dtype=torch.float32, device=device)
+            factors = filled.index_copy_(0, host_index(positions, device), factors)
+        return _local_phase.per_lr_units(states, factors)
 
     def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
         """Samples of ``follow_gradient_scale`` from local gradients (:func:`._grad_scale.scale_samples`), in order."""
@@ -197,7 +212,7 @@ class Messages:
         ):
             parts.append(self.scale_samples(params, grads))
         if kind is StepKind.ONEBIT_SYNC and self.opt.follow_gradient_scale:  # the interval's local samples
-            parts.append(torch.stack([self.opt.gradient_scale.pending(self.opt.state[p], p) for p in params]))
+            parts.append(self.opt.gradient_scale.pending([self.opt.state[p] for p in params], params[0]))
         if kind.compressed:
             parts += [_masks.activity_flags(self.opt.state[p]) for p in params if "momentum_mask" in self.opt.state[p]]
         if not parts:
@@ -246,7 +261,7 @@ class Messages:
                     views = [v / loss_scale.to(device=v.device, dtype=v.dtype) for v in views]
                 opt.gradient_scale.record_averaged(params, self.scale_samples(params, views))
         if kind is StepKind.ONEBIT_SYNC and opt.follow_gradient_scale:
-            self.pending_means.update(zip(params, rest[:n].unbind()))
+            self.pending_means.note(params, rest[:n])
             rest = rest[n:]
         if kind.compressed:
             for p in params:

@@ -328,6 +328,24 @@ def apply_per_tensor(
     return out
 
 
+def per_tensor_in_dtypes(op: str, tensors: Sequence[Tensor], factors: Tensor, in_place: bool) -> list[Tensor]:
+    """:func:`apply_per_tensor` with each float32 factor first rounded to its tensor's dtype.
+
+    One call per dtype among ``tensors`` (one, as a rule), whatever their number.
+    """
+    tensors = list(tensors)
+    dtypes = list(dict.fromkeys(t.dtype for t in tensors))
+    if len(dtypes) <= 1:
+        return apply_per_tensor(op, tensors, moved(factors, dtype=dtypes[0]) if dtypes else factors, in_place)
+    out = list(tensors)
+    for dtype in dtypes:
+        index = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        done = apply_per_tensor(op, [tensors[i] for i in index], moved(picked(factors, index), dtype=dtype), in_place)
+        for i, value in zip(index, done):
+            out[i] = value
+    return out
+
+
 def joined(elements: Sequence[Tensor], gather: bool = False) -> Tensor:
     """0-dim tensors as one vector, in order: a view when they are consecutive elements of one, else a stack.
 

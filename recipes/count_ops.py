@@ -12,9 +12,9 @@ median number of top-level ``aten::`` operations (not called from inside another
 on all threads, what a step adds beyond DDP + AdamW, per tensor and per added tensor from the smallest ``N`` to the
 largest; the same growth for all ``aten::`` operations, nested ones included (on the CPU a multi-tensor call runs
 an operation per tensor inside, and every ``unbind`` or ``stack`` of per-tensor values a view per tensor: host work
-per tensor that the top-level count does not show); and the step's time without the profiler as a ratio to DDP + AdamW's: each step is timed against a DDP +
-AdamW step on its own model taken right after it, and the ratios' median reported (still noisy: a kind that the
-short schedule reaches a few times has few ratios).
+per tensor that the top-level count does not show); and the step's time without the profiler as a ratio to DDP +
+AdamW's: each step is timed against a DDP + AdamW step on its own model taken right after it, and the ratios'
+median reported (still noisy: a kind that the short schedule reaches a few times has few ratios).
 """
 
 from __future__ import annotations

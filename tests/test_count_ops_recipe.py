@@ -31,6 +31,9 @@ def test_count_ops_prints_a_row_per_step_kind():
     per_tensor = {tuple(m[:2]): float(m[2]) for m in growth.findall(proc.stdout)}
     assert set(per_tensor) == set(rows), proc.stdout
     assert all(value <= 0.0 for value in per_tensor.values()), proc.stdout
+    # and the growth of all operations, nested ones included, for every row
+    nested = re.compile(r"^\| ([^|]+?) \| (\w[\w ]*?) \|(?: [^|]+ \|){4} (-?[\d.]+) \| [\d.]+x \|$", re.M)
+    assert {tuple(m[:2]) for m in nested.findall(proc.stdout)} == set(rows), proc.stdout
 
 
 def test_every_tensor_of_the_counted_model_gets_a_non_zero_gradient():

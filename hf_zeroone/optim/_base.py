@@ -28,21 +28,13 @@ from hf_zeroone.optim._books import DEFAULT_CHECK_REPLICAS_EVERY, UNSET_FREEZE_S
 from hf_zeroone.optim._exchange import exchange
 from hf_zeroone.optim._flat import FlatBuffers
 from hf_zeroone.optim._functional import by_group
+from hf_zeroone.optim._scalar_vectors import Noted
 from hf_zeroone.optim._step_kind import StepKind
 
 __all__ = ["DEFAULT_CHECK_REPLICAS_EVERY", "UNSET_FREEZE_STEP", "CompressedAdamBase", "FlatBuffers", "StepKind"]
 
 #: steps skipped in a row as GradScaler overflows (non-finite combined values) before a warning says so
 SKIPS_BEFORE_WARNING = 20
-
-
-def _divisors_of(params: list[Tensor], divisors: tuple[dict[int, int], Tensor] | None) -> tuple | None:
-    """``params``' positions among ``divisors`` and their entries, as :func:`._functional.adam_update` takes them."""
-    if divisors is None:
-        return None
-    where, vector = divisors
-    positions = [i for i, p in enumerate(params) if id(p) in where]
-    return (positions, picked(vector, [where[id(params[i])] for i in positions])) if positions else None
 
 
 class CompressedAdamBase(OptimizerBooks):
@@ -198,8 +190,7 @@ class CompressedAdamBase(OptimizerBooks):
 
     def _step(self, kind: StepKind, loss: Any) -> Any:  # noqa: ANN401
         hook_done = self.communicated_step == self.schedule["step"]
-        # divisors the update applies (1-bit Adam's norm proxies): id(param) -> entry of the vector
-        pending: tuple[dict[int, int], Tensor] | None = None
+        pending = Noted()  # divisors the update applies (1-bit Adam's norm proxies)
         found_inf = scaler_found_inf(self)
         if found_inf is not None:  # a GradScaler's protocol (._amp_scaler): every rank skips if one overflowed
             exchanges = kind.communicates_in_backward and not hook_done
@@ -253,10 +244,7 @@ class CompressedAdamBase(OptimizerBooks):
                         j for j, i in enumerate(positions) if values[i].dtype == updates[i][1].dtype == torch.float32
                     ]
                     if inside:
-                        pending = (
-                            {id(updates[positions[j]][1]): k for k, j in enumerate(inside)},
-                            picked(divisors, inside),
-                        )
+                        pending.note([updates[positions[j]][1] for j in inside], picked(divisors, inside))
                         now = sorted(set(range(len(positions))) - set(inside))
                         positions, divisors = [positions[j] for j in now], picked(divisors, now) if now else None
                 values = F.divided(values, positions, divisors)
@@ -350,11 +338,11 @@ class CompressedAdamBase(OptimizerBooks):
         self,
         kind: StepKind,
         updates: list[tuple[dict[str, Any], Tensor, Tensor]],
-        divisors: tuple[dict[int, int], Tensor] | None,
+        divisors: Noted,
     ) -> None:
         """Update every parameter and its state from its combined result (or its local gradient).
 
-        ``divisors``: ``id(param)`` -> entry of a float32 vector its (float32) value is divided by first.
+        ``divisors``: per parameter, a float32 number its (float32) value is divided by first.
         """
         local = kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
         for group, params, values in by_group(updates):
@@ -386,7 +374,7 @@ class CompressedAdamBase(OptimizerBooks):
                 c1=c1,
                 decay=decay,
                 update_variance=kind is StepKind.EXACT,
-                divisors=_divisors_of(params, divisors),
+                divisors=divisors.gather(params) if divisors else None,
                 make_denominators=(lambda dens=dens: dens)
                 if dens is not None
                 else (lambda group=group, params=params, c2=c2: self._denominators(group, params, kind, c2)),

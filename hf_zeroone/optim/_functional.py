@@ -38,7 +38,7 @@ from hf_zeroone._tensors import (
     moved,
     mul_scalar,
     mul_scalar_,
-    picked,
+    per_tensor_in_dtypes,
     rows_by_group,
     shape_groups,
 )
@@ -47,7 +47,6 @@ __all__ = [
     "adam_update",
     "divided",
     "by_group",
-    "per_tensor_in_dtypes",
     "clip_to_variance",
     "denominators",
     "from_update_units",
@@ -206,24 +205,6 @@ def adam_update(
         mul_scalar_(params, decay)
     torch._foreach_addcdiv_(params, exp_avgs, dens, value=-lr / c1)
     return dens
-
-
-def per_tensor_in_dtypes(op: str, tensors: Sequence[Tensor], factors: Tensor, in_place: bool) -> list[Tensor]:
-    """:func:`~hf_zeroone._tensors.apply_per_tensor` with each float32 factor first rounded to its tensor's dtype.
-
-    One call per dtype among ``tensors`` (one, as a rule), whatever their number.
-    """
-    tensors = list(tensors)
-    dtypes = list(dict.fromkeys(t.dtype for t in tensors))
-    if len(dtypes) <= 1:
-        return apply_per_tensor(op, tensors, moved(factors, dtype=dtypes[0]) if dtypes else factors, in_place)
-    out = list(tensors)
-    for dtype in dtypes:
-        index = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        done = apply_per_tensor(op, [tensors[i] for i in index], moved(picked(factors, index), dtype=dtype), in_place)
-        for i, value in zip(index, done):
-            out[i] = value
-    return out
 
 
 def divided(values: Sequence[Tensor], positions: Sequence[int], divisors: Tensor | None) -> list[Tensor]:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import apply_per_tensor, float32_norms, host_index, moved
+from hf_zeroone._tensors import apply_per_tensor, float32_norms, host_index, moved, per_tensor_in_dtypes
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _grad_scale, _local_phase, _masks
 from hf_zeroone.optim._flat import layout_order
@@ -287,12 +287,8 @@ class Messages:
         positions, rho = self._noise_excesses(params)
         if rho is None:
             return local_mean
-        rho = moved(rho, local_mean.device)
-        if len(positions) < len(params):  # 1 where none was measured
-            rho = torch.ones_like(local_mean).index_copy_(0, host_index(positions, local_mean.device), rho)
-        elif positions != list(range(len(params))):
-            rho = torch.empty_like(local_mean).index_copy_(0, host_index(positions, local_mean.device), rho)
-        return local_mean / rho
+        index = host_index(positions, local_mean.device)  # 1 where none was measured
+        return local_mean / torch.ones_like(local_mean).index_copy_(0, index, moved(rho, local_mean.device))
 
     def _noise_excesses(self, params: Sequence[Tensor]) -> tuple[list[int], Tensor | None]:
         """The positions in ``params`` of the tensors whose noise excess ``rho`` was measured, and ``rho`` (at least 1).
@@ -329,15 +325,15 @@ class Messages:
 
         The DDP hook scales its bucket's views in place; ``step()`` without the hook scales new
         tensors (``in_place=False``, the user's ``p.grad`` untouched), so both paths agree bit for
-        bit. Each factor is kept in its gradient's dtype: the round trip then loses at most the
-        last bits.
+        bit. Each factor is rounded to its gradient's dtype both ways: the round trip then loses at
+        most the last bits.
         """
         out = list(grads)
         positions, rho = self._noise_excesses(params)
         if rho is None:
             return out
         factors = rho.rsqrt()
-        scaled = F.per_tensor_in_dtypes("mul", [grads[i] for i in positions], factors, in_place=in_place)
+        scaled = per_tensor_in_dtypes("mul", [grads[i] for i in positions], factors, in_place=in_place)
         for i, value in zip(positions, scaled):
             out[i] = value
         self.proxy_factors.note([params[i] for i in positions], factors)

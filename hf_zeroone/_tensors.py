@@ -133,9 +133,13 @@ def host_index(indices: Sequence[int], device: torch.device) -> Tensor:
 
 
 def picked(values: Tensor, index: Sequence[int]) -> Tensor:
-    """``values[index]`` for host integers ``index``: ``values`` itself where ``index`` is ``0 .. n - 1``."""
-    if list(index) == list(range(values.numel())):
+    """``values[index]`` for host integers ``index``: ``values`` itself where ``index`` is ``0 .. n - 1``, one
+    ``flip`` where it is ``n - 1 .. 0`` (a DDP bucket's order against its parameters')."""
+    index, n = list(index), values.numel()
+    if index == list(range(n)):
         return values
+    if index == list(range(n - 1, -1, -1)):
+        return values.flip(0)
     return values.index_select(0, host_index(index, values.device))
 
 

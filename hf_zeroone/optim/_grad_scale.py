@@ -293,7 +293,9 @@ class GradientScale:
             q = q.to(device=taken[0].device, dtype=torch.float32)
             clipped, kept = kept_fractions.gather(taken)
             if clipped:  # the samples of gradients that clipping cut, by the square of what it kept
-                factor = torch.ones_like(q).index_copy_(0, host_index(clipped, q.device), moved(kept, q.device))
+                factor = moved(kept, q.device)
+                if clipped != list(range(len(taken))):
+                    factor = torch.ones_like(q).index_copy_(0, host_index(clipped, q.device), factor)
                 q = q * factor.square()
             self._update(group, [state_of(p) for p in taken], q, schedule, steps=1)
         if local:
@@ -374,17 +376,12 @@ class GradientScale:
                 for p, st in zip(params, states):
                     st[_G] = torch.ones((), dtype=torch.float32, device=p.device)
             local_at, local = samples.gather(params)
-            averaged_at, averaged_samples = averaged.gather(params)
-            both = sorted(set(local_at) & set(averaged_at))
-            if both:  # rho <- decay rho + (1 - decay) local / averaged, as one vector for all tensors
-                device = params[both[0]].device
-                at_local, at_averaged = (
-                    {i: k for k, i in enumerate(local_at)},
-                    {i: k for k, i in enumerate(averaged_at)},
-                )
-                local = moved(picked(local, [at_local[i] for i in both]), device)
-                ratio = local / moved(picked(averaged_samples, [at_averaged[i] for i in both]), device).clamp(min=_TINY)
-                both = [(params[i], states[i]) for i in both]
+            paired, averaged_samples = averaged.gather([params[i] for i in local_at])  # positions in local_at
+            if paired:  # rho <- decay rho + (1 - decay) local / averaged, as one vector for all tensors
+                device = params[local_at[paired[0]]].device
+                local = moved(picked(local, paired), device)
+                ratio = local / moved(averaged_samples, device).clamp(min=_TINY)
+                both = [(params[local_at[j]], states[local_at[j]]) for j in paired]
                 # no measurement, no excess (1): where there is no gradient anywhere (a tensor the
                 # loss does not reach; 0 would divide later samples into 0/0, and a local sample is
                 # never below the averaged one: the mean of squares bounds the square of the mean),

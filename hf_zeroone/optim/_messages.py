@@ -173,11 +173,10 @@ class Messages:
                 parts.append(moved(scaled, dtype=torch.float32))
         if not parts:
             return _local_phase.per_lr_units(states)
-        device = parts[0].device
-        factors = torch.cat([moved(t, device) for t in parts]) if len(parts) > 1 else parts[0]
-        if positions != list(range(len(params))):
-            filled = torch.ones(len(params), dtype=torch.float32, device=device)
-            factors = filled.index_copy_(0, host_index(positions, device), factors)
+        factors = torch.cat([moved(t, parts[0].device) for t in parts]) if len(parts) > 1 else parts[0]
+        if positions != list(range(len(params))):  # 1 where none
+            ones = torch.ones(len(params), dtype=torch.float32, device=factors.device)
+            factors = ones.index_copy_(0, host_index(positions, factors.device), factors)
         return _local_phase.per_lr_units(states, factors)
 
     def scale_samples(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
@@ -287,8 +286,10 @@ class Messages:
         positions, rho = self._noise_excesses(params)
         if rho is None:
             return local_mean
-        index = host_index(positions, local_mean.device)  # 1 where none was measured
-        return local_mean / torch.ones_like(local_mean).index_copy_(0, index, moved(rho, local_mean.device))
+        rho = moved(rho, local_mean.device)
+        if positions != list(range(len(params))):  # 1 where none was measured
+            rho = torch.ones_like(local_mean).index_copy_(0, host_index(positions, local_mean.device), rho)
+        return local_mean / rho
 
     def _noise_excesses(self, params: Sequence[Tensor]) -> tuple[list[int], Tensor | None]:
         """The positions in ``params`` of the tensors whose noise excess ``rho`` was measured, and ``rho`` (at least 1).

@@ -200,8 +200,10 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
         # a finite message: as NaN it reaches every rank's result, and every rank's scaler skips
         buffer.masked_fill_(non_finite_flag(buffer) > 0, float("nan"))
     grads = views = state.gradient_views(bucket, params)
+    unscaled = buffer
     if scale is not None:  # messages in unscaled units
-        grads = [g.div(scale.to(device=g.device, dtype=g.dtype)) for g in views]
+        unscaled = buffer.div(scale.to(device=buffer.device, dtype=buffer.dtype))
+        grads = consecutive_views(params, unscaled)
     if kind is StepKind.EXACT:
         return _exact(opt, buffer, params, views, opt.messages.lane(kind, params, grads), scale)
     flat = opt.flat_cache.get(params)
@@ -209,7 +211,7 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     message[n:].zero_()
     # the compressed allreduce returns its result in the message's memory: these views serve both
     views = flat.views(message)
-    opt.messages.write(kind, params, grads, views)
+    units = opt.messages.write(kind, params, grads, views, message[:n], flat.views, unscaled[:n])
     # Exactly averaged beside the 1-bit message, in the same two collectives: on 1-bit momentum
     # steps the local squared norms (gradient-sized norms for clipping) and the gradient's scale
     # (hf_zeroone.optim._grad_scale); on every 1-bit step the flags of masked rows that moved.
@@ -222,7 +224,7 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     # communicator's, and the future it completes is CUDA-aware like the communicator's.
     def to_gradient(f: torch.futures.Future) -> Tensor:
         combined = f.wait()
-        opt.messages.finish(kind, params, views, lane)
+        opt.messages.finish(kind, params, views, lane, units=units)
         result = combined[:n]
         if scale is not None:  # scaled again: the GradScaler unscales p.grad before step()
             result = result.mul(scale.to(device=result.device, dtype=result.dtype))

@@ -54,7 +54,9 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
             message = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
             views = functools.partial(consecutive_views, params)
         message_views = views(message)
-        opt.messages.write(kind, params, grads, message_views)
+        units = opt.messages.write(
+            kind, params, grads, message_views, message[: flat.layout.numel] if kind.compressed else None, views
+        )
         lane = opt.messages.lane(kind, params, grads)
         if kind.compressed:  # the result comes back in the message's memory, and so in its views
             opt.comm.compressed_allreduce(message, flat.worker_error, flat.server_error, flat.layout, lane)
@@ -62,7 +64,8 @@ def exchange(opt: Any, kind: StepKind) -> list[Update]:  # noqa: ANN401 - a Comp
         else:
             combined_views = views(opt.average_exact_async(message, params, lane).wait())
         del message, message_views  # a compressed result lives in its memory (freed with the views)
-        opt.messages.finish(kind, params, combined_views, lane)
+        opt.messages.finish(kind, params, combined_views, lane, units=units)
+        units = None  # its denominators: no full-size copy outlives the bucket
         if kind is StepKind.ONEBIT_MOMENTUM:
             # as the hook's result would be after an unclipped step: handed back in the parameter's
             # dtype (DDP's bucket), then the norm proxy undone; both paths then agree bit for bit.

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_zeroone._tensors import pieces as run_views
 from hf_zeroone.compression import ChunkLayout
 
 __all__ = [
@@ -97,6 +98,8 @@ def layout_views(flat: Tensor, offsets: Sequence[int], likes: Sequence[Tensor]) 
     """
     if not likes:
         return []
+    if offsets[0] == 0 and all(map(_laid_out_row_major, likes)) and _consecutive(offsets, likes):
+        return run_views(flat, list(likes), False)  # one view per run of same-shaped tensors, unbound
     sizes, picks, pos = [], [], 0
     for offset, like in zip(offsets, likes):
         if offset < pos:
@@ -117,6 +120,11 @@ def layout_views(flat: Tensor, offsets: Sequence[int], likes: Sequence[Tensor]) 
         else:
             out.append(piece if piece.shape == like.shape else piece.view(like.shape))
     return out
+
+
+def _consecutive(offsets: Sequence[int], likes: Sequence[Tensor]) -> bool:
+    """Whether each piece starts where the one before ends."""
+    return all(a + t.numel() == b for a, t, b in zip(offsets, likes, offsets[1:]))
 
 
 def layout_order(t: Tensor, like: Tensor) -> Tensor:

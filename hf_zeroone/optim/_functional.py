@@ -53,12 +53,11 @@ __all__ = [
     "implied_gradients",
     "l2_gradients",
     "local_sq_norms",
-    "momentum_messages",
+    "onebit_message",
     "norm_proxy_factors",
     "root_denominators",
     "split_denominators",
     "to_update_units",
-    "update_unit_messages",
     "variance_bound",
 ]
 
@@ -113,12 +112,14 @@ def denominators(
     if factors is None:
         out = sqrt_of(range(len(exp_avg_sqs)))
         div_scalar_(out, math.sqrt(c2))
+        add_scalar_(out, eps)
     else:
         out: list[Tensor] = [None] * len(exp_avg_sqs)  # type: ignore[list-item]
         plain = sorted(set(range(len(exp_avg_sqs))) - set(scaled))
         if plain:
             plain_roots = sqrt_of(plain)
             div_scalar_(plain_roots, math.sqrt(c2))
+            add_scalar_(plain_roots, eps)
             for i, d in zip(plain, plain_roots):
                 out[i] = d
         # the scaled ones, one call per shape (see shape_groups): sqrt(v) times sqrt(f / c2)
@@ -130,10 +131,9 @@ def denominators(
                 stacked = torch.stack([roots[i] for i in members])
             else:
                 stacked = torch.stack([exp_avg_sqs[i] for i in members]).sqrt_()
-            stacked.mul_(rows.view(-1, *([1] * (stacked.dim() - 1))).to(stacked.dtype))
+            stacked.mul_(rows.view(-1, *([1] * (stacked.dim() - 1))).to(stacked.dtype)).add_(eps)
             for i, d in zip(members, stacked.unbind()):
                 out[i] = d
-    add_scalar_(out, eps)
     return out
 
 
@@ -217,30 +217,12 @@ def divided(values: Sequence[Tensor], positions: Sequence[int], divisors: Tensor
     return out
 
 
-def momentum_messages(
-    exp_avgs: Sequence[Tensor], grads: Sequence[Tensor], beta1: float, outs: Sequence[Tensor]
-) -> None:
-    """``out = beta1 * m + (1 - beta1) * g`` for every triple (1-bit Adam's message), as the update computes it.
+def to_update_units(value: Tensor, dens: Tensor, means: Tensor) -> None:
+    r"""Divide a message by its per-element weights ``w = d / mean(d)`` in place: the units of the update.
 
-    A copy of ``m`` and a lerp in place: two multi-tensor calls for the tensors whose three dtypes
-    agree, the same operation as the update's, so the same bits.
-    """
-    triples = list(zip(exp_avgs, grads, outs))
-    plain = [(m, g, out) for m, g, out in triples if m.dtype == g.dtype == out.dtype]
-    if plain:
-        chosen = [out for _, _, out in plain]
-        torch._foreach_copy_(chosen, [m for m, _, _ in plain])
-        torch._foreach_lerp_(chosen, [g for _, g, _ in plain], 1.0 - beta1)
-    for m, g, out in triples:
-        if not m.dtype == g.dtype == out.dtype:
-            out.copy_(m).lerp_(g.to(out.dtype), 1.0 - beta1)
-
-
-def to_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: Tensor) -> None:
-    r"""Divide each message by its per-element weights ``w = d / mean(d)`` in place: the units of the update.
-
-    ``dens`` are the plain denominators ``d = sqrt(v / c2) + eps`` (float32), ``means`` their mean
-    per tensor (:func:`._grad_scale.sample_statistics`). A 1-bit gradient or momentum message is
+    ``dens`` are the plain denominators ``d = sqrt(v / c2) + eps`` (float32), ``means`` the mean of
+    each element's tensor's (:func:`._grad_scale.sample_statistics`), either per element or one
+    number for all. A 1-bit gradient or momentum message is
     put in these units before compression and the combined result taken back by
     :func:`from_update_units`. The update of element ``j`` is ``lr * m_j / d_j``, so in these
     units one sign and one segment scale ``s`` cost every element the same, ``lr * s / mean(d)``
@@ -253,56 +235,45 @@ def to_update_units(values: Sequence[Tensor], dens: Sequence[Tensor], means: Ten
     scale to stay a few learning rates: :func:`clip_to_variance` sees to it. Computed as
     ``value * mean / d``, two in-place passes and no weight tensor.
     """
-    values = list(values)
-    apply_per_tensor("mul", values, means, in_place=True)
-    torch._foreach_div_(values, list(dens))
+    value.mul_(means).div_(dens)
 
 
-def from_update_units(
-    values: Sequence[Tensor], dens: Sequence[Tensor], means: Tensor,
-    implied_from: Sequence[Tensor] | None = None, beta1: float = 0.0,
-) -> None:  # fmt: skip
-    """The inverse of :func:`to_update_units`, in place: each value times ``d / mean(d)``.
-
-    With ``implied_from`` (the momenta), each value is then a combined momentum turned into the
-    gradient it implies (:func:`implied_gradients`).
-    """
-    values = list(values)
-    torch._foreach_mul_(values, list(dens))
-    apply_per_tensor("div", values, means, in_place=True)
-    if implied_from is not None:
-        implied_gradients(implied_from, values, beta1)
+def from_update_units(value: Tensor, dens: Tensor, means: Tensor) -> None:
+    """The inverse of :func:`to_update_units`, in place: the value times ``d / mean(d)``."""
+    value.mul_(dens).div_(means)
 
 
-def update_unit_messages(
-    grads: Sequence[Tensor],
-    outs: Sequence[Tensor],
+def onebit_message(
+    out: Tensor,
+    grads: Tensor,
     beta2: float,
-    clip_dens: Sequence[Tensor] | None,
-    exp_avgs: Sequence[Tensor] | None = None,
+    clip_dens: Tensor | None,
+    exp_avgs: Tensor | None = None,
     beta1: float = 0.0,
-    units: tuple[Sequence[Tensor], Tensor] | None = None,
-    l2: tuple[Sequence[Tensor], float] | None = None,
+    units: tuple[Tensor, Tensor] | None = None,
+    l2: tuple[Tensor, float] | None = None,
 ) -> None:
-    """1-bit gradient or momentum messages into ``outs``: the chain of :class:`~._messages.Messages.write`.
+    """A 1-bit gradient or momentum message into ``out``, from tensors laid out alike (a bucket's, flat).
 
-    Each gradient clipped to the variance (:func:`clip_to_variance`, with ``clip_dens``; not when
+    The gradient clipped to the variance (:func:`clip_to_variance`, with ``clip_dens``; not when
     ``None``), given its L2 term (``l2``: the parameters and the weight decay, :func:`l2_gradients`),
-    turned into a momentum message when ``exp_avgs`` is given (:func:`momentum_messages`), then put
-    in units of the update when ``units`` (the plain denominators and their means,
-    :func:`to_update_units`).
+    turned into the momentum message ``beta1 * m + (1 - beta1) * g`` when ``exp_avgs`` is given
+    (``m``; it may be ``out`` itself) as the update computes it (a lerp), then put in units of the
+    update when ``units`` (the plain denominators and their means, :func:`to_update_units`).
     """
-    grads, outs = list(grads), list(outs)
+    g = grads
     if clip_dens is not None:
-        grads = clip_to_variance(grads, clip_dens, beta2)
+        (g,) = clip_to_variance([g], [clip_dens], beta2)
     if l2 is not None:
-        grads = l2_gradients(grads, *l2)
+        (g,) = l2_gradients([g], [l2[0]], l2[1])
     if exp_avgs is None:
-        torch._foreach_copy_(outs, grads)
+        out.copy_(g)
     else:
-        momentum_messages(exp_avgs, grads, beta1, outs)
+        if exp_avgs is not out:
+            out.copy_(exp_avgs)
+        out.lerp_(g, 1.0 - beta1)
     if units is not None:
-        to_update_units(outs, *units)
+        to_update_units(out, *units)
 
 
 def variance_bound(beta2: float) -> float:

@@ -36,7 +36,7 @@ sees a gradient-sized norm and still damps a real spike. On every other step tha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _grad_scale, _local_phase, _masks
 from hf_zeroone.optim._flat import layout_order
 from hf_zeroone.optim._grad_scale import kept_fraction, norm_left
+from hf_zeroone.optim._onebit_messages import BucketUnits, onebit_messages
 from hf_zeroone.optim._scalar_vectors import Noted
 from hf_zeroone.optim._step_kind import StepKind
 
@@ -80,44 +81,36 @@ class Messages:
 
     def write(
         self, kind: StepKind, params: Sequence[Tensor], grads: Sequence[Tensor | None], outs: Sequence[Tensor],
-        units: bool = True,
-    ) -> None:  # fmt: skip
+        message: Tensor | None = None, views: Callable[[Tensor], list[Tensor]] | None = None,
+        flat_grads: Tensor | None = None,
+    ) -> BucketUnits | None:  # fmt: skip
         """Write what this rank sends for each parameter in a ``kind`` step into ``outs`` (fp32, shaped like it).
 
         On the 1-bit gradient and momentum kinds each local gradient is first clipped to the frozen
         variance (:func:`._functional.clip_to_variance`, unless the optimizer's ``clip_to_variance``
-        is off), and the message is put in units of the update (:func:`._functional.to_update_units`)
-        unless ``units`` is false (one process: nothing is compressed). Reads the optimizer state and
-        leaves it unchanged, except for noting which masked rows received a gradient: a step that is
-        later skipped (non-finite gradients, a GradScaler overflow) leaves no other trace.
+        is off), and the message is put in units of the update (:func:`._functional.to_update_units`),
+        on the bucket's flat tensors (:mod:`._onebit_messages`): ``message`` is the flat vector
+        ``outs`` tile, ``views`` cuts a vector of its layout into such views, ``flat_grads`` are
+        the gradients in that layout where they already are (a DDP bucket). Returns what
+        :meth:`finish` takes the combined result out of the units with. Reads the optimizer state
+        and leaves it unchanged, except for noting which masked rows received a gradient: a step
+        that is later skipped (non-finite gradients, a GradScaler overflow) leaves no other trace.
         """
         opt, state = self.opt, self.opt.state
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         if kind is StepKind.EXACT:
             torch._foreach_copy_(list(outs), grads)
-            return
+            return None
         if kind is StepKind.ONEBIT_SYNC:  # sent after this step's local update
             states = [state[p] for p in params]
             _local_phase.displacements(params, states, outs)
             _local_phase.idle_messages(opt, list(params), states, list(outs))
-            if units:  # per unit of learning rate, in the frozen variance's units: see _local_phase.per_lr_units
-                apply_per_tensor("div", list(outs), self.sync_units(params), in_place=True)
-            return
-        for p, g in zip(params, grads):  # ONEBIT_GRADIENT, ONEBIT_MOMENTUM
-            _masks.note_activity(state[p], g)
-        for group, ps, items in opt.grouped(params, list(zip(grads, outs))):
-            gs, os_ = [g for g, _ in items], [o for _, o in items]
-            c2 = opt._coefficients(group, kind)[1]
-            clip_dens = opt._denominators(group, ps, kind, c2) if opt.clip_to_variance else None
-            momentum = kind is StepKind.ONEBIT_MOMENTUM
-            l2 = momentum and group["weight_decay"] and not group["decoupled_weight_decay"]
-            if units:
-                dens, stats = opt.plain_denominators(group, ps, c2)
-            F.update_unit_messages(
-                gs, os_, group["betas"][1], clip_dens,
-                exp_avgs=[state[p]["exp_avg"] for p in ps] if momentum else None, beta1=group["betas"][0],
-                units=(dens, stats.means) if units else None, l2=(ps, group["weight_decay"]) if l2 else None,
-            )  # fmt: skip
+            # per unit of learning rate, in the frozen variance's units: see _local_phase.per_lr_units
+            apply_per_tensor("div", list(outs), self.sync_units(params), in_place=True)
+            return None
+        if message is None or views is None:
+            raise ValueError("a 1-bit message is written into a flat buffer: pass message= and views=")
+        return onebit_messages(opt, kind, params, grads, outs, message, views, flat_grads)
 
     def errors_to_gradient_units(self, group: dict[str, Any], params: Sequence[Tensor]) -> list[Tensor]:
         """Before ``v`` changes: each error buffer of ``params`` into gradient units, in place; the parameters with one.
@@ -148,11 +141,11 @@ class Messages:
         for p in params:
             state = self.opt.state[p]
             (d,), stats = self.opt.plain_denominators(group, [p], c2)
-            convert([state["worker_error"]], [d.view_as(state["worker_error"])], stats.means)
+            convert(state["worker_error"], d.view_as(state["worker_error"]), stats.means.reshape(()))
             server = state.get("server_error")
             if server is not None and server.numel():
                 start = int(state.get("server_error_start", 0))
-                convert([server], [layout_order(d, p)[start : start + server.numel()]], stats.means)
+                convert(server, layout_order(d, p)[start : start + server.numel()], stats.means.reshape(()))
             self.opt.variance_views.release([p])
 
     def sync_units(self, params: Sequence[Tensor]) -> list[float] | Tensor:
@@ -221,13 +214,13 @@ class Messages:
 
     def finish(
         self, kind: StepKind, params: Sequence[Tensor], views: Sequence[Tensor], lane: Tensor | None,
-        loss_scale: Tensor | None = None,
+        loss_scale: Tensor | None = None, units: BucketUnits | None = None,
     ) -> None:  # fmt: skip
         """Turn the combined ``views`` into what the step applies, in place; ``lane``: the averaged :meth:`lane`.
 
-        Compressed results leave the update units of :meth:`write`. A 1-bit momentum becomes the
-        gradient it implies (:func:`._functional.implied_gradients`), rescaled to an estimate of the
-        averaged gradient's norm from the local norms (:meth:`_averaged_sq_norms`,
+        Compressed results leave the update units of :meth:`write` (``units``: what it returned). A
+        1-bit momentum becomes the gradient it implies (:func:`._functional.implied_gradients`),
+        rescaled to an estimate of the averaged gradient's norm from the local norms (:meth:`_averaged_sq_norms`,
         :func:`._functional.norm_proxy_factors`), so that clipping sees the norm AdamW's would;
         :meth:`undo_norm_proxies` divides the factor out.
         On exact steps of several ranks, the samples of the local gradients (in ``lane``) and of the
@@ -236,12 +229,12 @@ class Messages:
         """
         opt, n = self.opt, len(params)
         if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM):  # out of the units of write()
-            momentum = kind is StepKind.ONEBIT_MOMENTUM
-            for group, ps, vs in opt.grouped(params, views):
-                dens, stats = opt.plain_denominators(group, ps, opt._coefficients(group, kind)[1])
-                # a combined momentum becomes the gradient it implies (F.implied_gradients)
-                momenta = [opt.state[p]["exp_avg"] for p in ps] if momentum else None
-                F.from_update_units(vs, dens, stats.means, implied_from=momenta, beta1=group["betas"][0])
+            if units is None:
+                raise ValueError("finish() of a 1-bit message needs the units write() returned")
+            F.from_update_units(units.message, units.plain, units.means)
+            if kind is StepKind.ONEBIT_MOMENTUM:  # a combined momentum becomes the gradient it implies
+                for group, ps, vs in opt.grouped(params, views):
+                    F.implied_gradients([opt.state[p]["exp_avg"] for p in ps], vs, group["betas"][0])
         if kind is StepKind.ONEBIT_SYNC:  # out of the units of write()
             apply_per_tensor("mul", list(views), self.sync_units(params), in_place=True)
         rest = lane

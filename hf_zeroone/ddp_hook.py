@@ -223,8 +223,10 @@ def zeroone_hook(state: ZeroOneHookState, bucket: dist.GradBucket) -> torch.futu
     # no device value is read on the host. On CUDA it runs on a stream that waited for the
     # communicator's, and the future it completes is CUDA-aware like the communicator's.
     def to_gradient(f: torch.futures.Future) -> Tensor:
+        nonlocal units
         combined = f.wait()
         opt.messages.finish(kind, params, views, lane, units=units)
+        units = None  # its denominators: no full-size copy outlives the bucket
         result = combined[:n]
         if scale is not None:  # scaled again: the GradScaler unscales p.grad before step()
             result = result.mul(scale.to(device=result.device, dtype=result.dtype))

@@ -87,17 +87,13 @@ class VarianceBooks:
         """Whether, inside ``step()``, this step's scale samples are still to be taken from local gradients.
 
         They are on local steps and syncs (after the update, which asks for the scaled
-        denominators first), and on 1-bit steps that ``step()`` exchanges when clipping asks for
-        the scaled ones before the samples (without clipping the samples come first, and the
-        update's request would make a plain set nobody reads); after the DDP hook's exchange its
-        samples are taken, and outside ``step()`` (a sync of ``synchronize()``) nothing would
-        release what was kept.
+        denominators first). A 1-bit step's samples are taken beside its message, whose chain
+        computes both sets itself (:mod:`._onebit_messages`); outside ``step()`` (a sync of
+        ``synchronize()``) nothing would release what was kept.
         """
         if getattr(self, "_step_denominators", None) is None or not self.follow_gradient_scale:
             return False
-        if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
-            return True
-        return kind.compressed and self.clip_to_variance and self.communicated_step != self.schedule["step"]
+        return kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
 
     def scale_factors(self, group: dict[str, Any], params: Sequence[Tensor]) -> Tensor | list[Tensor | None] | None:
         """``follow_gradient_scale``'s factor ``f`` of a frozen ``v`` per parameter (``None``: the option is off).

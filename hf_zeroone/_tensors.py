@@ -100,6 +100,9 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return True
+    span = flat_span(tensors)  # the pieces of one message: one reduction
+    if span is not None:
+        tensors = [span]
     if bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
         return True
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, math.inf))).all())
@@ -289,8 +292,13 @@ def apply_per_tensor(
     if not tensors:
         return tensors
     if not isinstance(operands, Tensor) and not isinstance(operands[0], Tensor):  # one call per distinct number
+        values = by_value(operands)
+        span = flat_span(tensors) if in_place and len(values) == 1 else None
+        if span is not None:  # the pieces of one message, one number: one operation on it
+            getattr(span, f"{op}_")(_scalar_operand([span], operands[0]))
+            return tensors
         fn, out = getattr(torch, f"_foreach_{op}_" if in_place else f"_foreach_{op}"), list(tensors)
-        for value, index in by_value(operands).items():
+        for value, index in values.items():
             chosen = [tensors[i] for i in index]
             done = fn(chosen, _scalar_operand(chosen, value))
             for i, t in zip(index, chosen if in_place else done):

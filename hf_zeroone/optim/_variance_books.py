@@ -87,13 +87,17 @@ class VarianceBooks:
         """Whether, inside ``step()``, this step's scale samples are still to be taken from local gradients.
 
         They are on local steps and syncs (after the update, which asks for the scaled
-        denominators first). A 1-bit step's samples are taken beside its message, whose chain
-        computes both sets itself (:mod:`._onebit_messages`); outside ``step()`` (a sync of
-        ``synchronize()``) nothing would release what was kept.
+        denominators first), and on 1-bit steps of one process when clipping asks for the scaled
+        ones before the samples (without clipping the samples come first, and the update's request
+        would make a plain set nobody reads). Several processes take a 1-bit step's samples
+        beside its message, whose chain computes both sets itself (:mod:`._onebit_messages`);
+        outside ``step()`` (a sync of ``synchronize()``) nothing would release what was kept.
         """
         if getattr(self, "_step_denominators", None) is None or not self.follow_gradient_scale:
             return False
-        return kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC)
+        if kind in (StepKind.LOCAL, StepKind.ONEBIT_SYNC):
+            return True
+        return kind.compressed and self.clip_to_variance and not self.comm.is_distributed
 
     def scale_factors(self, group: dict[str, Any], params: Sequence[Tensor]) -> Tensor | list[Tensor | None] | None:
         """``follow_gradient_scale``'s factor ``f`` of a frozen ``v`` per parameter (``None``: the option is off).

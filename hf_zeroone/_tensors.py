@@ -90,19 +90,19 @@ def float32_norms(tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack(norms)
 
 
-def all_finite(tensors: Iterable[Tensor]) -> bool:
+def all_finite(tensors: Iterable[Tensor], norms: Tensor | None = None) -> bool:
     """``True`` when no element of any tensor is NaN or infinite.
 
     One multi-tensor reduction and one host read, no boolean per element. Finite 2-norms mean finite
     elements; a norm can overflow on finite elements above about 1e19, so a non-finite one is
-    checked again with the largest absolute values, which cannot.
+    checked again with the largest absolute values, which cannot. ``norms``: the tensors' norms, if taken.
     """
+    if norms is not None and bool(torch.isfinite(norms).all()):
+        return True
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return True
-    span = flat_span(tensors)  # the pieces of one message: one reduction
-    if span is not None:
-        tensors = [span]
+    tensors = [span] if (span := flat_span(tensors)) is not None else tensors  # one message's pieces: one reduction
     if bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
         return True
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, math.inf))).all())

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import all_finite, picked
+from hf_zeroone._tensors import all_finite, float32_norms, picked
 from hf_zeroone._warnings import user_stacklevel
 from hf_zeroone.optim import _agreement, _local_phase, _masks
 from hf_zeroone.optim import _functional as F
@@ -191,6 +191,7 @@ class CompressedAdamBase(OptimizerBooks):
     def _step(self, kind: StepKind, loss: Any) -> Any:  # noqa: ANN401
         hook_done = self.communicated_step == self.schedule["step"]
         pending = Noted()  # divisors the update applies (1-bit Adam's norm proxies)
+        norms = None  # of the values handed on, where the norm proxies took them
         found_inf = scaler_found_inf(self)
         if found_inf is not None:  # a GradScaler's protocol (._amp_scaler): every rank skips if one overflowed
             exchanges = kind.communicates_in_backward and not hook_done
@@ -235,10 +236,11 @@ class CompressedAdamBase(OptimizerBooks):
                 updates = [(g, p, v) for (g, p, _), v in zip(updates, values)]
             if local or (kind is StepKind.ONEBIT_MOMENTUM and hook_done):
                 values = [v for _, _, v in updates]
-                positions, divisors = self.messages.norm_proxy_divisors([p for _, p, _ in updates], values)
+                norms = float32_norms(values)
+                positions, divisors = self.messages.norm_proxy_divisors([p for _, p, _ in updates], values, norms)
                 # Float32 implied gradients are divided inside the update: no divided copy of each. The
-                # finiteness check below then reads them undivided; a factor only shrinks a norm that
-                # float32 holds (an infinite norm gets factor 1), so their quotients are finite too.
+                # finiteness check below then reads them (their norms) undivided; a factor only shrinks a
+                # norm that float32 holds (an infinite norm gets factor 1), so their quotients are finite too.
                 if not local and divisors is not None:
                     inside = [
                         j for j, i in enumerate(positions) if values[i].dtype == updates[i][1].dtype == torch.float32
@@ -253,7 +255,7 @@ class CompressedAdamBase(OptimizerBooks):
         for _, _, value in updates:
             if value.is_sparse:
                 raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-        if not all_finite(v for _, _, v in updates):
+        if not all_finite((v for _, _, v in updates), norms):
             if kind.communicates_in_backward:
                 # Every rank holds the same combined values, so every rank skips together.
                 if found_inf is not None:  # a GradScaler's overflow on some rank: its skip, no warning

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import apply_per_tensor, float32_norms, host_index, moved, per_tensor_in_dtypes
+from hf_zeroone._tensors import apply_per_tensor, float32_norms, host_index, moved, per_tensor_in_dtypes, picked
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _grad_scale, _local_phase, _masks
 from hf_zeroone.optim._flat import layout_order
@@ -341,7 +341,7 @@ class Messages:
         return F.divided(values, *self.norm_proxy_divisors(params, values))
 
     def norm_proxy_divisors(
-        self, params: Sequence[Tensor], values: Sequence[Tensor]
+        self, params: Sequence[Tensor], values: Sequence[Tensor], norms: Tensor | None = None
     ) -> tuple[list[int], Tensor | None]:
         """What divides each value back into an implied gradient (or a local one): positions and float32 divisors.
 
@@ -350,7 +350,7 @@ class Messages:
         (:meth:`hand_on_local_gradients`) is only scaled back. Each divisor is rounded to its
         value's dtype before it divides (:func:`._functional.divided`); ``step()`` divides 1-bit
         Adam's float32 values inside the update (:func:`._functional.adam_update`). Every factor
-        noted so far is used up.
+        noted so far is used up. ``norms``: the values' :func:`float32_norms`, where already taken.
 
         If clipping cut an implied gradient to less than ``_SPIKE_CLIP`` of its norm (a spike, not
         the routine clipping of a run whose gradients hover above the threshold), the
@@ -365,7 +365,8 @@ class Messages:
         self.proxy_factors.clear()
         self.handed_norms.clear()
         if measured:  # the norms clipping left over the norms handed on, as one vector for all tensors
-            clipped = norm_left(float32_norms([values[i] for i in measured]), moved(handed, dtype=torch.float32))
+            taken = float32_norms([values[i] for i in measured]) if norms is None else picked(norms, measured)
+            clipped = norm_left(taken, moved(handed, dtype=torch.float32))
             chosen = [params[i] for i in measured]
             self.opt.gradient_scale.note_kept(chosen, kept_fraction(clipped))
             self._clip_fractions.append((chosen, clipped))

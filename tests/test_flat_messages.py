@@ -73,3 +73,71 @@ def test_the_momentum_message_is_maths_on_the_flat_bucket():
         assert counts[small] > 0, counts  # the profiler saw the chain
         per_tensor = (counts[large] - counts[small]) / (2 * (large - small))  # two tensors per layer
         assert per_tensor == 0, (groups, counts)
+
+
+def test_groups_with_their_own_betas_in_one_bucket_each_get_their_own_message():
+    """Interleaved groups that differ in ``betas`` and ``eps`` share a bucket: each element's message
+    is what its group's alone would be, bit for bit."""
+    from hf_zeroone import OneBitAdam
+    from hf_zeroone.optim._step_kind import StepKind
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    weights, biases = [model[0].weight, model[2].weight], [model[0].bias, model[2].bias]
+    opt = OneBitAdam(
+        [{"params": weights}, {"params": biases, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}],
+        lr=1e-3, freeze_step=3,
+    )  # fmt: skip
+    for _ in range(5):
+        model(torch.randn(8, 6)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model(torch.randn(8, 6)).square().mean().backward()
+    params = list(model.parameters())  # weight, bias, weight, bias: the groups interleave
+
+    def written(ps):
+        flat = opt.flat_cache.get(ps)
+        message = flat.new_message()
+        views = flat.views(message)
+        opt.messages.write(
+            StepKind.ONEBIT_MOMENTUM, ps, [p.grad for p in ps], views, message[: flat.layout.numel], flat.views
+        )
+        opt.variance_views.release()
+        return [v.clone() for v in views]
+
+    together = dict(zip(map(id, params), written(params)))
+    for group in (weights, biases):
+        for p, alone in zip(group, written(group)):
+            assert torch.equal(together[id(p)], alone)
+
+
+def _hook_and_step_with_two_betas(rank: int, world: int) -> list[bool]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zeroone import OneBitAdam, register_zeroone_hook
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        params = list(model.parameters())[::-1]  # DDP's bucket order, for the step() path too
+        groups = [{"params": params[0::2]}, {"params": params[1::2], "betas": (0.8, 0.99), "eps": 1e-6}]
+        return model, OneBitAdam(groups, lr=1e-2, freeze_step=3)
+
+    (ma, oa), (mb, ob) = make(), make()
+    ddp = DDP(ma, bucket_cap_mb=100)
+    register_zeroone_hook(ddp, oa)
+    gen = torch.Generator().manual_seed(rank)
+    equal = []
+    for _ in range(8):
+        x = torch.randn(8, 6, generator=gen)
+        for model, opt in ((ddp, oa), (mb, ob)):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        equal.append(all(torch.equal(a, b) for a, b in zip(ma.parameters(), mb.parameters())))
+    assert oa.last_step_kind.value == "onebit_momentum"
+    return equal
+
+
+def test_groups_with_their_own_betas_take_the_same_steps_with_the_hook_and_without():
+    assert all(run_ranks(_hook_and_step_with_two_betas, 2)[0])

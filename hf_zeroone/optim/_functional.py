@@ -300,17 +300,14 @@ def clip_to_variance(grads: Sequence[Tensor], dens: Sequence[Tensor], beta2: flo
     return out
 
 
-def implied_gradients(exp_avgs: Sequence[Tensor], combined: Sequence[Tensor], beta1: float) -> None:
-    """Turn each combined momentum ``m'`` into the gradient it implies, in place.
+def implied_gradients(exp_avgs: Tensor, combined: Tensor, beta1: float | Tensor) -> None:
+    """Turn the combined momentum ``m'`` into the gradient it implies, in place (tensors laid out alike).
 
     ``g = (m' - beta1 * m) / (1 - beta1)``, so that ``beta1 * m + (1 - beta1) * g == m'``; computed in
-    one pass as ``m + (m' - m) / (1 - beta1)`` (a lerp from ``m`` past ``m'``): the lerps of all
-    tensors are one multi-tensor call into new tensors, copied back in one more.
+    one pass as ``m + (m' - m) / (1 - beta1)`` (a lerp from ``m`` past ``m'``) into a new tensor,
+    copied back. ``beta1``: one number, or one per element.
     """
-    combined = list(combined)
-    if combined:
-        starts = as_dtypes(exp_avgs, combined)
-        torch._foreach_copy_(combined, torch._foreach_lerp(starts, combined, 1.0 / (1.0 - beta1)))
+    combined.copy_(torch.lerp(exp_avgs, combined, 1.0 / (1.0 - beta1)))
 
 
 def local_sq_norms(grads: Sequence[Tensor | None], norms: Tensor | None = None) -> Tensor:

@@ -41,12 +41,16 @@ class BucketUnits:
     """What a bucket's 1-bit message was divided by, flat in the message's layout (float32).
 
     ``message``: the message (its real elements); ``plain``: the plain denominators
-    ``sqrt(v / c2) + eps``; ``means``: each element's tensor's mean of ``plain``.
+    ``sqrt(v / c2) + eps``, and ``plain_views`` their per-parameter views; ``means``: each
+    element's tensor's mean of ``plain``; ``beta1``: each element's group's (one number when the
+    groups agree).
     """
 
     message: Tensor
     plain: Tensor
+    plain_views: list[Tensor]
     means: Tensor
+    beta1: float | Tensor
 
 
 def _per_element(values: Sequence[float], bounds: Sequence[int], like: Tensor) -> Tensor:
@@ -114,7 +118,7 @@ def onebit_messages(
                 for i in index:
                     positions[i] = float(k)
         key_of = _per_element(positions, bounds, message)
-    plains, means, results = [], [], []
+    plains, means, results, dens = [], [], [], []
     for (beta1, beta2, eps, c2, l2), entries in keys.items():
         (plain,) = F.root_denominators([roots], c2, eps)
         plains.append(plain)
@@ -133,9 +137,12 @@ def onebit_messages(
             (weights, l2) if l2 else None,
         )  # fmt: skip
         results.append(out)
-    if len(keys) > 1:
-        message.copy_(_merged(results, key_of))
-    return BucketUnits(message, _merged(plains, key_of), _merged(means, key_of))
+    if len(keys) == 1:
+        return BucketUnits(message, plains[0], dens, means[0], next(iter(keys))[0])
+    message.copy_(_merged(results, key_of))
+    plain = _merged(plains, key_of)
+    beta1 = _merged([torch.full_like(message, key[0]) for key in keys], key_of)
+    return BucketUnits(message, plain, views(plain), _merged(means, key_of), beta1)
 
 
 def _per_element_vector(parts: list[tuple[list[int], Tensor]], n: int, bounds: Sequence[int]) -> Tensor:

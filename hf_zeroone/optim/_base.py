@@ -236,7 +236,7 @@ class CompressedAdamBase(OptimizerBooks):
                 updates = [(g, p, v) for (g, p, _), v in zip(updates, values)]
             if local or (kind is StepKind.ONEBIT_MOMENTUM and hook_done):
                 values = [v for _, _, v in updates]
-                norms = float32_norms(values)
+                norms = None if local else float32_norms(values)  # implied gradients: every norm is measured
                 positions, divisors = self.messages.norm_proxy_divisors([p for _, p, _ in updates], values, norms)
                 # Float32 implied gradients are divided inside the update: no divided copy of each. The
                 # finiteness check below then reads them (their norms) undivided; a factor only shrinks a

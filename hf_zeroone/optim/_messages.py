@@ -233,7 +233,8 @@ class Messages:
                 raise ValueError("finish() of a 1-bit message needs the units write() returned")
             F.from_update_units(units.message, units.plain, units.means)
             if kind is StepKind.ONEBIT_MOMENTUM:  # a combined momentum becomes the gradient it implies
-                torch._foreach_copy_(units.plain_views, [opt.state[p]["exp_avg"] for p in params])  # m, flat
+                opt.variance_views.release(params)  # the denominators offered there: their memory takes m
+                torch._foreach_copy_(units.plain_views, [opt.state[p]["exp_avg"] for p in params])
                 F.implied_gradients(units.plain, units.message, units.beta1)
         if kind is StepKind.ONEBIT_SYNC:  # out of the units of write()
             apply_per_tensor("mul", list(views), self.sync_units(params), in_place=True)

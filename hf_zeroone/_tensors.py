@@ -39,36 +39,59 @@ def moved(t: Tensor, device: torch.device | None = None, dtype: torch.dtype | No
     return t.to(device=device, dtype=dtype)
 
 
-def mul_scalar(tensors: Sequence[Tensor], value: float) -> list[Tensor]:
-    """``t * value`` for every tensor (new tensors; ``torch._foreach_mul``, see :func:`_scalar_operand`)."""
+def _scalar_op(op: str, tensors: Sequence[Tensor], value: float, in_place: bool) -> list[Tensor]:
+    """``t <op> value`` for every tensor (``op``: ``"mul"``, ``"div"`` or ``"add"``), in place or as new tensors.
+
+    One operation on their :func:`flat_span` where they tile one (new tensors are then pieces of
+    one), else one multi-tensor call (see :func:`_scalar_operand`).
+    """
     tensors = list(tensors)
-    return list(torch._foreach_mul(tensors, _scalar_operand(tensors, value)))
+    span = flat_span(tensors) if tensors else None
+    if span is not None:
+        if in_place:
+            getattr(span, f"{op}_")(_scalar_operand([span], value))
+            return tensors
+        return pieces(getattr(span, op)(_scalar_operand([span], value)), tensors, False)
+    operand = _scalar_operand(tensors, value)
+    if op == "add" and isinstance(operand, Tensor):  # torch's overload taking one 0-dim tensor is slower on CPU
+        operand = [operand] * len(tensors)
+    done = getattr(torch, f"_foreach_{op}_" if in_place else f"_foreach_{op}")(tensors, operand)
+    return tensors if in_place else list(done)
+
+
+def mul_scalar(tensors: Sequence[Tensor], value: float) -> list[Tensor]:
+    return _scalar_op("mul", tensors, value, False)
 
 
 def mul_scalar_(tensors: Sequence[Tensor], value: float) -> None:
-    """``t *= value`` for every tensor, in place (``torch._foreach_mul_``, see :func:`_scalar_operand`)."""
-    tensors = list(tensors)
-    torch._foreach_mul_(tensors, _scalar_operand(tensors, value))
+    _scalar_op("mul", tensors, value, True)
 
 
 def div_scalar(tensors: Sequence[Tensor], value: float) -> list[Tensor]:
-    """``t / value`` for every tensor (new tensors; ``torch._foreach_div``, see :func:`_scalar_operand`)."""
-    tensors = list(tensors)
-    return list(torch._foreach_div(tensors, _scalar_operand(tensors, value)))
+    return _scalar_op("div", tensors, value, False)
 
 
 def div_scalar_(tensors: Sequence[Tensor], value: float) -> None:
-    """``t /= value`` for every tensor, in place (``torch._foreach_div_``, see :func:`_scalar_operand`)."""
-    tensors = list(tensors)
-    torch._foreach_div_(tensors, _scalar_operand(tensors, value))
+    _scalar_op("div", tensors, value, True)
 
 
 def add_scalar_(tensors: Sequence[Tensor], value: float) -> None:
-    """``t += value`` for every tensor, in place (``torch._foreach_add_``, see :func:`_scalar_operand`)."""
-    tensors = list(tensors)
-    operand = _scalar_operand(tensors, value)
-    # a list of one 0-dim tensor: torch's overload taking a single tensor is slower on CPU for add
-    torch._foreach_add_(tensors, operand if isinstance(operand, float) else [operand] * len(tensors))
+    _scalar_op("add", tensors, value, True)
+
+
+def zeros_like_flat(like: Sequence[Tensor]) -> list[Tensor]:
+    """Zeros shaped like each tensor: pieces of one flat tensor per dtype and device for the contiguous ones.
+
+    State kept that way (an optimizer's ``m`` and ``v``) tiles one vector, so an operation on all
+    of it is one operation (:func:`flat_span`); other layouts get ``zeros_like`` each.
+    """
+    out = [None if t.is_contiguous() else torch.zeros_like(t, memory_format=torch.preserve_format) for t in like]
+    for dtype, device in dict.fromkeys((t.dtype, t.device) for t, o in zip(like, out) if o is None):
+        index = [i for i, t in enumerate(like) if out[i] is None and t.dtype == dtype and t.device == device]
+        flat = torch.zeros(sum(like[i].numel() for i in index), dtype=dtype, device=device)
+        for i, piece in zip(index, pieces(flat, [like[i] for i in index], False)):
+            out[i] = piece
+    return out  # type: ignore[return-value]
 
 
 def float32_norms(tensors: Sequence[Tensor]) -> Tensor:
@@ -211,15 +234,29 @@ def tiling(tensors: list[Tensor]) -> tuple[Tensor | None, bool]:
 def pieces(vector: Tensor, like: list[Tensor], reverse: bool) -> list[Tensor]:
     """``vector`` cut into pieces shaped like ``like``'s tensors, laid in it in order or (``reverse``) reversed.
 
-    One view per run of same-shaped tensors (a layer's weights), unbound: no call per tensor.
+    Tensors of one shape at evenly spaced offsets (a layer's weight in every layer, whatever lies
+    between) are one strided view, unbound: a few calls per shape, not one or two per tensor.
     """
-    out: list[Tensor] = []
-    offset = 0
-    for shape, run in groupby(map(_shape_of, like[::-1] if reverse else like)):
-        m, n = len(list(run)), math.prod(shape)
-        block = vector.narrow(0, offset, m * n)
-        out += block.view(m, *shape).unbind(0) if m > 1 else [block.view(shape)]
-        offset += m * n
+    order = like[::-1] if reverse else like
+    numels = [t.numel() for t in order]
+    offsets = np.cumsum(numels) - numels
+    out: list[Tensor] = [None] * len(order)  # type: ignore[list-item]
+    by_shape: dict[torch.Size, list[int]] = {}
+    for i, t in enumerate(order):
+        by_shape.setdefault(t.shape, []).append(i)
+    start = vector.storage_offset()
+    for shape, index in by_shape.items():
+        inner = [math.prod(shape[k + 1 :]) for k in range(len(shape))]  # row-major strides
+        j = 0
+        while j < len(index):  # the longest run of evenly spaced offsets from index[j]
+            k = j + 1
+            step = int(offsets[index[k]] - offsets[index[j]]) if k < len(index) else 0
+            while k < len(index) and offsets[index[k]] - offsets[index[k - 1]] == step:
+                k += 1
+            block = vector.as_strided((k - j, *shape), (step, *inner), start + int(offsets[index[j]]))
+            for i, piece in zip(index[j:k], block.unbind(0)):
+                out[i] = piece
+            j = k
     return out[::-1] if reverse else out
 
 

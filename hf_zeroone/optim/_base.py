@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import all_finite, float32_norms, picked
+from hf_zeroone._tensors import all_finite, float32_norms, picked, zeros_like_flat
 from hf_zeroone._warnings import user_stacklevel
 from hf_zeroone.optim import _agreement, _local_phase, _masks
 from hf_zeroone.optim import _functional as F
@@ -127,13 +127,10 @@ class CompressedAdamBase(OptimizerBooks):
             return kind
         if self.schedule["step"] == 0:
             self._warn_unset_schedule()
-        fresh = []
-        for group, p in self.trainable_params():
-            state = self.state[p]
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                fresh.append((group, p))
+        fresh = [(group, p) for group, p in self.trainable_params() if "exp_avg" not in self.state[p]]
+        for key in ("exp_avg", "exp_avg_sq"):  # each a flat tensor's pieces: one operation can cover them all
+            for (_, p), zeros in zip(fresh, zeros_like_flat([p for _, p in fresh])):
+                self.state[p][key] = zeros
         if (kind.compressed or kind is StepKind.LOCAL) and not self.schedule["masks_ready"]:
             _masks.build_masks(self.trainable_params(), lambda p: self.state[p], self.auto_momentum_mask)
             self.schedule["masks_ready"] = True

@@ -34,13 +34,13 @@ from hf_zeroone._tensors import (
     apply_per_tensor,
     div_scalar,
     div_scalar_,
+    flat_span,
     float32_norms,
     moved,
     mul_scalar,
     mul_scalar_,
     per_tensor_in_dtypes,
-    rows_by_group,
-    shape_groups,
+    pieces,
 )
 
 __all__ = [
@@ -102,7 +102,7 @@ def denominators(
     def sqrt_of(indices: Sequence[int]) -> list[Tensor]:
         if roots is not None:
             return [roots[i] for i in indices]
-        return list(torch._foreach_sqrt([exp_avg_sqs[i] for i in indices]))
+        return square_roots([exp_avg_sqs[i] for i in indices])
 
     if factors is not None and not isinstance(factors, Tensor):
         scaled = [i for i, f in enumerate(factors) if f is not None]
@@ -122,19 +122,18 @@ def denominators(
             add_scalar_(plain_roots, eps)
             for i, d in zip(plain, plain_roots):
                 out[i] = d
-        # the scaled ones, one call per shape (see shape_groups): sqrt(v) times sqrt(f / c2)
-        groups = shape_groups([exp_avg_sqs[i] for i in scaled], range(len(scaled)))  # positions in scaled
-        multipliers = rows_by_group(factors.div(c2).sqrt_(), groups)
-        for group, rows in zip(groups, multipliers):
-            members = [scaled[j] for j in group]
-            if roots is not None:
-                stacked = torch.stack([roots[i] for i in members])
-            else:
-                stacked = torch.stack([exp_avg_sqs[i] for i in members]).sqrt_()
-            stacked.mul_(rows.view(-1, *([1] * (stacked.dim() - 1))).to(stacked.dtype)).add_(eps)
-            for i, d in zip(members, stacked.unbind()):
-                out[i] = d
+        # the scaled ones: sqrt(v) times sqrt(f / c2), one operation where they tile one vector
+        dens = per_tensor_in_dtypes("mul", sqrt_of(scaled), factors.div(c2).sqrt_(), in_place=True)
+        add_scalar_(dens, eps)
+        for i, d in zip(scaled, dens):
+            out[i] = d
     return out
+
+
+def square_roots(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``sqrt(t)`` of each tensor (new tensors): one operation where they tile one vector (:func:`flat_span`)."""
+    span = flat_span(tensors) if tensors else None
+    return pieces(span.sqrt(), list(tensors), False) if span is not None else list(torch._foreach_sqrt(list(tensors)))
 
 
 def split_denominators(
@@ -146,7 +145,7 @@ def split_denominators(
     bits as :func:`root_denominators` and :func:`denominators` with ``roots=``.
     """
     exp_avg_sqs = list(exp_avg_sqs)
-    roots = list(torch._foreach_sqrt(exp_avg_sqs))
+    roots = square_roots(exp_avg_sqs)
     return root_denominators(roots, c2, eps), denominators(exp_avg_sqs, c2, eps, factors, roots=roots)
 
 

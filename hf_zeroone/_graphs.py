@@ -8,7 +8,7 @@ layout and the addresses of the persistent buffers: no device value is read on t
 buffers, the lengths, the ranks; a bucket whose layout is rebuilt starts again):
 
 1. the first call runs as it is (it also fills the caches that copy from the host, such as the
-   segment starts of ``_tensors.expanded``, which keeps them, and so their addresses, for good);
+   segment starts of ``_runs.expanded``, which keeps them, and so their addresses, for good);
 2. the second call is recorded. The job runs with :class:`_Recorder` in place of the
    collectives: each collective ends the graph being recorded, is noted with its tensors, and
    starts the next graph. A call is recorded as graph, collective, graph, collective, graph.

@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterable, Sequence
-from itertools import groupby, repeat
+from itertools import repeat
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from hf_zeroone._runs import expanded, few, pieces, run_entries, run_rows, runs
 
 
 def _scalar_operand(tensors: Sequence[Tensor], value: float) -> float | Tensor:
@@ -231,87 +233,6 @@ def tiling(tensors: list[Tensor]) -> tuple[Tensor | None, bool]:
     return flat_span(tensors), False
 
 
-def pieces(vector: Tensor, like: list[Tensor], reverse: bool) -> list[Tensor]:
-    """``vector`` cut into pieces shaped like ``like``'s tensors, laid in it in order or (``reverse``) reversed.
-
-    Tensors of one shape at evenly spaced offsets (a layer's weight in every layer, whatever lies
-    between) are one strided view, unbound: a few calls per shape, not one or two per tensor.
-    """
-    order = like[::-1] if reverse else like
-    numels = [t.numel() for t in order]
-    offsets = np.cumsum(numels) - numels
-    out: list[Tensor] = [None] * len(order)  # type: ignore[list-item]
-    by_shape: dict[torch.Size, list[int]] = {}
-    for i, t in enumerate(order):
-        by_shape.setdefault(t.shape, []).append(i)
-    start = vector.storage_offset()
-    for shape, index in by_shape.items():
-        inner = [math.prod(shape[k + 1 :]) for k in range(len(shape))]  # row-major strides
-        j = 0
-        while j < len(index):  # the longest run of evenly spaced offsets from index[j]
-            k = j + 1
-            step = int(offsets[index[k]] - offsets[index[j]]) if k < len(index) else 0
-            while k < len(index) and offsets[index[k]] - offsets[index[k - 1]] == step:
-                k += 1
-            block = vector.as_strided((k - j, *shape), (step, *inner), start + int(offsets[index[j]]))
-            for i, piece in zip(index[j:k], block.unbind(0)):
-                out[i] = piece
-            j = k
-    return out[::-1] if reverse else out
-
-
-#: consecutive pieces of one length go a run at a time when the runs hold at least this many pieces on average
-PIECES_PER_RUN = 4
-
-
-def runs(lengths: Sequence[int]) -> list[tuple[int, int, int, int]]:
-    """``(first piece, offset, pieces, length)`` of each run of consecutive non-empty pieces of one length.
-
-    The pieces tile a vector in order (a message's tensors, a compressed one's segments). A run is
-    one ``(pieces, length)`` matrix view: an operand or a reduction per piece (a row is reduced
-    with the piece's own bits) is one call per run, worth it when the runs are :func:`few`.
-    """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    firsts = np.flatnonzero(np.diff(lengths, prepend=-1))
-    counts = np.diff(firsts, append=lengths.size)
-    keep = lengths[firsts] > 0
-    firsts, counts = firsts[keep], counts[keep]
-    return list(zip(firsts.tolist(), offsets[firsts].tolist(), counts.tolist(), lengths[firsts].tolist()))
-
-
-def few(pieces_by_run: Sequence[tuple[int, int, int, int]]) -> bool:
-    """Whether :func:`runs` hold at least :data:`PIECES_PER_RUN` pieces each on average (a call per run pays)."""
-    return PIECES_PER_RUN * len(pieces_by_run) <= sum(m for _, _, m, _ in pieces_by_run)
-
-
-#: per (bounds, device): the segment starts inside the vector and as many ones, on the device (see expanded);
-#: kept for the process's life (one entry per layout: a bucket's, a list of tensors'): CUDA graphs read them
-SEGMENT_STARTS: dict[tuple[tuple[int, ...], torch.device], tuple[Tensor, Tensor]] = {}
-
-
-def expanded(scales: Tensor, bounds: Sequence[int]) -> Tensor:
-    """``scales[j]`` at every element of segment ``j``: a flat tensor of ``bounds[-1]`` elements.
-
-    A 1 at each segment start (an empty segment's adds to the next one's), a running sum (each
-    element's segment index) and a gather, whatever the number of segments; the starts reach the
-    device once per layout, through pinned memory. Faster than ``repeat_interleave`` on the CPU.
-    """
-    key = (tuple(bounds), scales.device)
-    dtype = torch.int32 if bounds[-1] < 2**31 else torch.int64
-    cached = SEGMENT_STARTS.get(key)
-    if cached is None:
-        host = torch.tensor([b for b in bounds[1:-1] if b < bounds[-1]], dtype=torch.int64)
-        if scales.device.type == "cuda":
-            host = host.pin_memory()
-        starts = host.to(scales.device, non_blocking=True)
-        cached = SEGMENT_STARTS[key] = (starts, torch.ones(starts.numel(), dtype=dtype, device=scales.device))
-    starts, ones = cached
-    index = torch.zeros(bounds[-1], dtype=dtype, device=scales.device)
-    index.index_add_(0, starts, ones)
-    return scales.index_select(0, index.cumsum_(0))
-
-
 def apply_per_tensor(
     op: str, tensors: Sequence[Tensor], operands: Tensor | Sequence[Tensor] | Sequence[float], in_place: bool
 ) -> list[Tensor]:
@@ -348,8 +269,8 @@ def apply_per_tensor(
         vector = vector.flip(0) if reverse else vector
         target, numels = span if in_place else span.clone(), [t.numel() for t in tensors[:: -1 if reverse else 1]]
         if few(by_run := runs(numels)):
-            for j, o, m, n in by_run:
-                getattr(target[o : o + m * n].view(m, n), f"{op}_")(vector[j : j + m, None])
+            for run in by_run:
+                getattr(run_rows(target, run), f"{op}_")(run_entries(vector, run)[:, None])
         else:
             getattr(target, f"{op}_")(expanded(vector, np.cumsum([0, *numels]).tolist()))
         if in_place:

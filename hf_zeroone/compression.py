@@ -41,7 +41,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import expanded, few, runs
+from hf_zeroone import _runs as runs_module
+from hf_zeroone._runs import Run, expanded, run_entries, run_rows, runs
 
 __all__ = [
     "ChunkLayout",
@@ -188,18 +189,24 @@ def _segments(x: Tensor, bounds: Sequence[int]) -> list[Tensor]:
     return list(x.split([b - a for a, b in zip(bounds[:-1], bounds[1:])]))
 
 
-def _runs(bounds: Sequence[int]) -> list[tuple[int, int, int, int]] | None:
-    """The segments' :func:`~hf_zeroone._tensors.runs`, when handled a run at a time; ``None``: all at once.
+def _runs(bounds: Sequence[int]) -> list[Run] | None:
+    """The segments' :func:`~hf_zeroone._runs.runs`, when handled a run at a time; ``None``: all at once.
 
     An operation per run is a kernel launch on a GPU, and a compressed allreduce applies scales
-    four times: runs serve when they are :func:`~hf_zeroone._tensors.few` (same-shaped tensors,
-    1-bit DiLoCo's blocks) or their segments long. Many short segments of varied lengths (biases
-    and norms) get their scales expanded element by element (:func:`~hf_zeroone._tensors.expanded`, an extra pass
-    over the vector) and their norms in one multi-tensor call. Both forms give the same bits.
+    four times: runs serve when they are :func:`~hf_zeroone._runs.few` (a model's tensors of one
+    shape in every layer, 1-bit DiLoCo's blocks) or their segments long. Many short segments of
+    varied lengths get their scales expanded element by element
+    (:func:`~hf_zeroone._runs.expanded`, an extra pass over the vector) and their norms in one
+    multi-tensor call. Both forms give the same bits.
     """
+    return _runs_of(tuple(bounds), EXPAND_BELOW, runs_module.PIECES_PER_RUN)
+
+
+@functools.lru_cache(maxsize=256)  # a pure function of a layout (and the two thresholds): the same at every call
+def _runs_of(bounds: tuple[int, ...], expand_below: int, pieces_per_run: int) -> list[Run] | None:
     by_run = runs(np.diff(np.asarray(bounds, dtype=np.int64)))
-    segments = sum(m for _, _, m, _ in by_run)
-    return by_run if few(by_run) or bounds[-1] >= EXPAND_BELOW * segments else None
+    segments = sum(run[4] for run in by_run)
+    return by_run if pieces_per_run * len(by_run) <= segments or bounds[-1] >= expand_below * segments else None
 
 
 #: many segments of varied lengths shorter than this on average get their scales expanded (a little per
@@ -228,8 +235,8 @@ def segment_scales(x: Tensor, bounds: Sequence[int], counts: Tensor) -> Tensor:
     if by_run is None:
         return scales_from_norms(torch.stack(torch._foreach_norm(_segments(x, bounds))), counts)
     norms = x.new_zeros(counts.numel())  # an empty segment's norm is 0
-    for j, o, m, n in by_run:
-        torch.linalg.vector_norm(x[o : o + m * n].view(m, n), dim=1, out=norms[j : j + m])
+    for run in by_run:
+        run_entries(norms, run).copy_(torch.linalg.vector_norm(run_rows(x, run), dim=1))
     return scales_from_norms(norms, counts)
 
 
@@ -248,8 +255,8 @@ def compression_error(x: Tensor, scales: Tensor, bounds: Sequence[int], out: Ten
     if by_run is None:
         torch.copysign(expanded(scales, bounds), x, out=out)
         return torch.sub(x, out, out=out)
-    for j, o, m, n in by_run:
-        torch.copysign(scales[j : j + m, None], x[o : o + m * n].view(m, n), out=out[o : o + m * n].view(m, n))
+    for run in by_run:
+        torch.copysign(run_entries(scales, run)[:, None], run_rows(x, run), out=run_rows(out, run))
     return torch.sub(x, out, out=out)
 
 
@@ -260,8 +267,8 @@ def decompress(packed: Tensor, scales: Tensor, bounds: Sequence[int], out: Tenso
     by_run = _runs(bounds)
     if by_run is None:
         return out.mul_(expanded(scales, bounds))
-    for j, o, m, n in by_run:
-        out[o : o + m * n].view(m, n).mul_(scales[j : j + m, None])
+    for run in by_run:
+        run_rows(out, run).mul_(run_entries(scales, run)[:, None])
     return out
 
 

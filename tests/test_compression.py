@@ -230,16 +230,18 @@ def test_layout_with_element_mask():
 
 def test_segments_go_a_run_at_a_time_when_runs_are_few_or_long_and_are_expanded_otherwise():
     """Per run, a launch costs more than expanding short segments and less than long ones."""
-    from hf_zeroone._tensors import PIECES_PER_RUN, runs
+    from hf_zeroone._runs import PIECES_PER_RUN, runs
     from hf_zeroone.compression import EXPAND_BELOW, _runs
 
     same = tuple(range(0, 64 * 1000 + 1, 1000))  # 64 segments of 1,000 elements: one run
-    assert _runs(same) == [(0, 0, 64, 1000)]
-    mixed = tuple(np.cumsum([0] + [1000 + (i % 2) for i in range(64)]).tolist())  # biases and norms of two sizes
-    assert _runs(mixed) is None
+    assert _runs(same) == [(0, 1, 0, 1000, 64, 1000)]
+    interleaved = tuple(np.cumsum([0] + [1000 + (i % 2) for i in range(64)]).tolist())  # weights and biases
+    assert _runs(interleaved) == [(0, 2, 0, 2001, 32, 1000), (1, 2, 1000, 2001, 32, 1001)]
+    varied = tuple(np.cumsum([0] + [1000 + i for i in range(64)]).tolist())  # no two segments alike
+    assert _runs(varied) is None
     assert _runs((0, EXPAND_BELOW, 2 * EXPAND_BELOW + 1)) is not None  # two long segments
     # empty segments own no element and need no launch: they are in no run
-    assert runs([0, 0, 5, 0, 4]) == [(2, 0, 1, 5), (4, 5, 1, 4)]
+    assert runs([0, 0, 5, 0, 4]) == [(2, 1, 0, 1, 1, 5), (4, 1, 5, 1, 1, 4)]
     blocks = (0, *range(3, 3 + 256 * 2 * PIECES_PER_RUN, 256), 3 + 256 * 2 * PIECES_PER_RUN)
     assert len(_runs(blocks)) == 2  # a short first piece, then blocks of 256
 
@@ -276,11 +278,20 @@ def test_unpacking_into_a_wrong_buffer_is_refused_before_anything_is_written():
         assert torch.equal(bad, before)
 
 
-@pytest.mark.parametrize("lengths", [[64] * 40, [3] + [256] * 30 + [100, 7] + [256] * 12 + [2], [0, 50, 50, 0, 50, 10]])
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [64] * 40,
+        [64, 8] * 20,
+        [64, 8, 8, 4] * 6 + [64, 8],
+        [3] + [256] * 30 + [100, 7] + [256] * 12 + [2],
+        [0, 50, 50, 0, 50, 10],
+    ],
+)
 def test_a_run_at_a_time_gives_the_bits_of_one_segment_at_a_time(lengths, monkeypatch):
     """Runs of same-length segments (a bucket of same-shaped tensors, 1-bit DiLoCo's blocks) against the
     multi-tensor norms and the expanded scales."""
-    import hf_zeroone._tensors as tensors
+    import hf_zeroone._runs as tensors
     import hf_zeroone.compression as compression
 
     bounds = tuple(np.cumsum([0, *lengths]).tolist())

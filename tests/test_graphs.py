@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_zeroone import _graphs, _tensors
+from hf_zeroone import _graphs, _runs
 from hf_zeroone._graphs import GraphedJobs, _Recording, graphs_enabled
 from hf_zeroone.comm import Communicator
 from hf_zeroone.compression import ChunkLayout
@@ -124,11 +124,11 @@ def test_a_call_with_other_objects_replaces_the_keys_recording(monkeypatch):
 
 
 def test_the_segment_starts_that_graphs_read_are_never_dropped_from_their_cache():
-    """A recorded graph reads the device tensors of ``_tensors.SEGMENT_STARTS``: an entry must outlive every graph."""
+    """A recorded graph reads the device tensors of ``_runs.SEGMENT_STARTS``: an entry must outlive every graph."""
     scales = torch.ones(3)
     first = (0, 5, 9, 20)
-    _tensors.expanded(scales, first)
-    kept = _tensors.SEGMENT_STARTS[first, scales.device]
+    _runs.expanded(scales, first)
+    kept = _runs.SEGMENT_STARTS[first, scales.device]
     for i in range(1, 1500):  # many bucket shapes
-        _tensors.expanded(scales, (0, 5, 9, 20 + i))
-    assert _tensors.SEGMENT_STARTS[first, scales.device] is kept
+        _runs.expanded(scales, (0, 5, 9, 20 + i))
+    assert _runs.SEGMENT_STARTS[first, scales.device] is kept

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hf_zeroone._tensors import add_scalar_, all_finite, div_scalar_, mul_scalar, mul_scalar_
+from hf_zeroone._tensors import add_scalar_, all_finite, div_scalar_, flat_span, mul_scalar, mul_scalar_
 from hf_zeroone.ddp_hook import non_finite_flag
 
 
@@ -180,7 +180,8 @@ def test_per_tensor_operands_on_views_of_one_vector_are_one_operation_with_the_p
 @pytest.mark.parametrize("op", ["mul", "div"])
 def test_per_tensor_operands_on_runs_of_same_sized_views_have_the_per_tensor_bits(shapes, op):
     """Same-sized pieces of a span (a bucket of one layer's weights) take their operands a run at a time."""
-    from hf_zeroone._tensors import apply_per_tensor, few, runs
+    from hf_zeroone._runs import few, runs
+    from hf_zeroone._tensors import apply_per_tensor
     from hf_zeroone.optim._flat import layout_views
 
     g = torch.Generator().manual_seed(len(shapes))
@@ -194,3 +195,24 @@ def test_per_tensor_operands_on_runs_of_same_sized_views_have_the_per_tensor_bit
     apply_per_tensor(op, views, factors, in_place=True)
     for v, w in zip(views, want):
         assert torch.equal(v, w)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_pieces_of_interleaved_shapes_are_the_tensors_laid_end_to_end_one_view_per_evenly_spaced_run(reverse):
+    """A layer's weight and bias in every layer: two strided views, unbound, not a view per tensor."""
+    from hf_zeroone._runs import pieces
+
+    shapes = [(8, 8), (8,)] * 6 + [(3, 2), (), (0,), (8, 8), (6,), (8,), (3, 2)]
+    likes = [torch.empty(s) for s in shapes]
+    laid = likes[::-1] if reverse else likes
+    vector = torch.arange(3.0, 3.0 + sum(t.numel() for t in likes) + 5)[3:-2]  # a view inside a larger tensor
+    want = [p.view(t.shape) for p, t in zip(vector.split([t.numel() for t in laid]), laid)]
+    want = want[::-1] if reverse else want
+    with torch.profiler.profile() as prof:
+        got = pieces(vector, likes, reverse)
+    assert [g.shape for g in got] == [t.shape for t in likes]
+    for g, w in zip(got, want):
+        assert g.data_ptr() == w.data_ptr() and torch.equal(g, w)
+    assert flat_span(got[::-1] if reverse else got) is not None  # still one span, for one operation on all
+    strided = sum(e.name == "aten::as_strided" and e.cpu_parent is None for e in prof.events())
+    assert strided <= 9  # runs: 12 of (8, 8) and (8,) each, then a few odd ones

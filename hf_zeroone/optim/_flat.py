@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import pieces as run_views
+from hf_zeroone._runs import pieces as run_views
 from hf_zeroone.compression import ChunkLayout
 
 __all__ = [

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_zeroone._runs import pieces
 from hf_zeroone._tensors import (
     add_scalar_,
     apply_per_tensor,
@@ -40,7 +41,6 @@ from hf_zeroone._tensors import (
     mul_scalar,
     mul_scalar_,
     per_tensor_in_dtypes,
-    pieces,
 )
 
 __all__ = [

@@ -6,7 +6,7 @@
 already is), the variance, the momentum and, for L2 weight decay, the parameters. The message
 chain of :func:`._functional.onebit_message` then runs once on the flat tensors, whatever the
 number of parameters. Per-tensor numbers (the mean denominators, the factors of
-``follow_gradient_scale``) enter as flat operands (:func:`hf_zeroone._tensors.expanded`).
+``follow_gradient_scale``) enter as flat operands (:func:`hf_zeroone._runs.expanded`).
 
 Parameter groups that agree on the numbers the chain reads (``betas``, ``eps``, the variance's
 bias correction and, with L2 decay, the weight decay) share one pass: the decay and no-decay
@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import expanded, in_order, moved
+from hf_zeroone._runs import expanded
+from hf_zeroone._tensors import in_order, moved
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim import _masks
 from hf_zeroone.optim._step_kind import StepKind

@@ -8,6 +8,7 @@ per-piece operand, or a reduction per piece, is a call per run.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -62,6 +63,11 @@ Run = tuple[int, int, int, int, int, int]
 
 
 def runs(lengths: Sequence[int]) -> list[Run]:
+    return _runs_of(tuple(int(n) for n in lengths))
+
+
+@functools.lru_cache(maxsize=256)  # a pure function of a layout: the same at every step
+def _runs_of(lengths: tuple[int, ...]) -> list[Run]:
     """``(first piece, piece step, offset, offset step, pieces, length)`` of each run of non-empty pieces
     of one length at evenly spaced positions and offsets.
 
@@ -71,7 +77,6 @@ def runs(lengths: Sequence[int]) -> list[Run]:
     vector (:func:`run_entries`): an operand or a reduction per piece (a row is reduced with the
     piece's own bits) is one call per run, worth it when the runs are :func:`few`.
     """
-    lengths = [int(n) for n in lengths]
     offsets = (np.cumsum(lengths) - lengths).tolist()
     by_length: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
@@ -126,3 +131,13 @@ def expanded(scales: Tensor, bounds: Sequence[int]) -> Tensor:
     index = torch.zeros(bounds[-1], dtype=dtype, device=scales.device)
     index.index_add_(0, starts, ones)
     return scales.index_select(0, index.cumsum_(0))
+
+
+def apply_to_pieces(op: str, target: Tensor, numels: Sequence[int], vector: Tensor) -> None:
+    """``piece <op>= vector[i]`` (``op``: ``"mul"`` or ``"div"``) for each piece ``i`` of flat ``target``, which
+    pieces of ``numels`` tile in order: a call per run where they are :func:`few`, else the entries expanded."""
+    if few(by_run := runs(numels)):
+        for run in by_run:
+            getattr(run_rows(target, run), f"{op}_")(run_entries(vector, run)[:, None])
+    else:
+        getattr(target, f"{op}_")(expanded(vector, np.cumsum([0, *numels]).tolist()))

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone._runs import expanded, few, pieces, run_entries, run_rows, runs
+from hf_zeroone._runs import apply_to_pieces, pieces
 
 
-def _scalar_operand(tensors: Sequence[Tensor], value: float) -> float | Tensor:
+def scalar_operand(tensors: Sequence[Tensor], value: float) -> float | Tensor:
     """``value`` as a CPU multi-tensor op over ``tensors`` takes it fastest, with the same bits: a 0-dim
     tensor made once for float32 and float64 lists (the op would wrap the number per tensor)."""
     if not tensors or tensors[0].device.type != "cpu":
@@ -45,16 +45,16 @@ def _scalar_op(op: str, tensors: Sequence[Tensor], value: float, in_place: bool)
     """``t <op> value`` for every tensor (``op``: ``"mul"``, ``"div"`` or ``"add"``), in place or as new tensors.
 
     One operation on their :func:`flat_span` where they tile one (new tensors are then pieces of
-    one), else one multi-tensor call (see :func:`_scalar_operand`).
+    one), else one multi-tensor call (see :func:`scalar_operand`).
     """
     tensors = list(tensors)
     span = flat_span(tensors) if tensors else None
     if span is not None:
         if in_place:
-            getattr(span, f"{op}_")(_scalar_operand([span], value))
+            getattr(span, f"{op}_")(scalar_operand([span], value))
             return tensors
-        return pieces(getattr(span, op)(_scalar_operand([span], value)), tensors, False)
-    operand = _scalar_operand(tensors, value)
+        return pieces(getattr(span, op)(scalar_operand([span], value)), tensors, False)
+    operand = scalar_operand(tensors, value)
     if op == "add" and isinstance(operand, Tensor):  # torch's overload taking one 0-dim tensor is slower on CPU
         operand = [operand] * len(tensors)
     done = getattr(torch, f"_foreach_{op}_" if in_place else f"_foreach_{op}")(tensors, operand)
@@ -253,12 +253,12 @@ def apply_per_tensor(
         values = by_value(operands)
         span = flat_span(tensors) if in_place and len(values) == 1 else None
         if span is not None:  # the pieces of one message, one number: one operation on it
-            getattr(span, f"{op}_")(_scalar_operand([span], operands[0]))
+            getattr(span, f"{op}_")(scalar_operand([span], operands[0]))
             return tensors
         fn, out = getattr(torch, f"_foreach_{op}_" if in_place else f"_foreach_{op}"), list(tensors)
         for value, index in values.items():
             chosen = [tensors[i] for i in index]
-            done = fn(chosen, _scalar_operand(chosen, value))
+            done = fn(chosen, scalar_operand(chosen, value))
             for i, t in zip(index, chosen if in_place else done):
                 out[i] = t
         return out
@@ -268,11 +268,7 @@ def apply_per_tensor(
         vector = torch.stack(list(operands)) if vector is None else vector
         vector = vector.flip(0) if reverse else vector
         target, numels = span if in_place else span.clone(), [t.numel() for t in tensors[:: -1 if reverse else 1]]
-        if few(by_run := runs(numels)):
-            for run in by_run:
-                getattr(run_rows(target, run), f"{op}_")(run_entries(vector, run)[:, None])
-        else:
-            getattr(target, f"{op}_")(expanded(vector, np.cumsum([0, *numels]).tolist()))
+        apply_to_pieces(op, target, numels, vector)
         if in_place:
             return tensors
         return pieces(target, tensors, reverse)

@@ -37,11 +37,12 @@ RUNS = {
 }
 
 
-def _model(n: int) -> torch.nn.Module:
-    """``n`` layers ``Linear(8, 8)``, orthogonal so that activations and gradients keep their norm (with torch's
-    default initialisation 200 layers underflow to zero gradients, and every tensor would be masked as untrained)."""
+def _model(n: int, biases: bool = False) -> torch.nn.Module:
+    """``n`` tensors of layers ``Linear(8, 8)``, orthogonal so that activations and gradients keep their norm (with
+    torch's default initialisation 200 layers underflow to zero gradients, and every tensor would be masked as
+    untrained). ``biases``: ``n / 2`` layers with a bias each, two shapes interleaved as in a transformer's layers."""
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(8, 8, bias=False) for _ in range(n)]
+    layers = [torch.nn.Linear(8, 8, bias=biases) for _ in range(n // 2 if biases else n)]
     for layer in layers:
         torch.nn.init.orthogonal_(layer.weight)
     return torch.nn.Sequential(*layers)
@@ -61,12 +62,12 @@ def _aten_counts(prof: torch.profiler.profile) -> tuple[int, int]:
     return top, every
 
 
-def _run(name: str, kwargs: dict, n: int, steps: int, profile: bool) -> dict[str, list]:
+def _run(name: str, kwargs: dict, n: int, steps: int, profile: bool, biases: bool) -> dict[str, list]:
     """Per step kind: each step's :func:`_aten_counts` (``profile``) or its seconds against DDP + AdamW's."""
     from hf_zeroone import OneBitAdam, ZeroOneAdam, register_zeroone_hook
 
     def build(name: str) -> tuple[DDP, torch.optim.Optimizer]:
-        ddp = DDP(_model(n), bucket_cap_mb=1024)
+        ddp = DDP(_model(n, biases), bucket_cap_mb=1024)
         if name == "adamw":
             return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3, foreach=True)
         opt = (OneBitAdam if name == "onebit" else ZeroOneAdam)(ddp.parameters(), lr=1e-3, **kwargs)
@@ -109,6 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tensors", default="100,400", help="comma-separated numbers of Linear(8, 8) tensors")
     parser.add_argument("--steps", type=int, default=14, help="steps per run (every kind by 12)")
+    parser.add_argument("--biases", action="store_true", help="layers with biases: N/2 weights and N/2 biases")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -121,10 +123,10 @@ def main() -> None:
         return statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)
 
     for n in sizes:
-        counts.setdefault(adamw, {})[n] = medians(_run("adamw", {}, n, args.steps, True)["whole step"])
+        counts.setdefault(adamw, {})[n] = medians(_run("adamw", {}, n, args.steps, True, args.biases)["whole step"])
         for label, (name, kwargs) in RUNS.items():
-            ops = _run(name, kwargs, n, args.steps, True)
-            times = _run(name, kwargs, n, args.steps, False)
+            ops = _run(name, kwargs, n, args.steps, True, args.biases)
+            times = _run(name, kwargs, n, args.steps, False, args.biases)
             for kind, values in ops.items():
                 counts.setdefault((label, kind), {})[n] = medians(values)
                 ratios.setdefault((label, kind), {})[n] = statistics.median(times[kind])
@@ -132,7 +134,7 @@ def main() -> None:
         small, large = sizes[0], sizes[-1]
         base = counts[adamw]
         print(f"aten operations per step, all threads, rank 0 ({dist.get_world_size()} gloo ranks, "
-              f"N Linear(8, 8) tensors in one DDP bucket):\n")  # fmt: skip
+              f"N Linear(8, 8) tensors{' (weights and biases)' if args.biases else ''} in one DDP bucket):\n")  # fmt: skip
         print(f"| optimizer | step kind | ops at N={large} | beyond DDP + AdamW | per tensor | "
               f"growth per added tensor, N={small}..{large} | all ops' growth | "
               f"time vs DDP + AdamW, N={large} |")  # fmt: skip

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_zeroone._runs import pieces
+from hf_zeroone._runs import apply_to_pieces, pieces
 from hf_zeroone._tensors import (
     add_scalar_,
     apply_per_tensor,
@@ -41,6 +41,7 @@ from hf_zeroone._tensors import (
     mul_scalar,
     mul_scalar_,
     per_tensor_in_dtypes,
+    scalar_operand,
 )
 
 __all__ = [
@@ -142,11 +143,20 @@ def split_denominators(
     """The plain denominators ``sqrt(v / c2) + eps`` and the scaled ``sqrt(v) sqrt(f / c2) + eps``, one ``sqrt(v)``.
 
     ``factors``: the scale of ``follow_gradient_scale``, as :func:`denominators` takes it. The same
-    bits as :func:`root_denominators` and :func:`denominators` with ``roots=``.
+    bits as :func:`root_denominators` and :func:`denominators` with ``roots=``; where ``v`` tiles one
+    vector (flat state) and every tensor has a factor, computed on that vector and cut into pieces once.
     """
     exp_avg_sqs = list(exp_avg_sqs)
-    roots = square_roots(exp_avg_sqs)
-    return root_denominators(roots, c2, eps), denominators(exp_avg_sqs, c2, eps, factors, roots=roots)
+    span = flat_span(exp_avg_sqs) if isinstance(factors, Tensor) else None
+    if span is None:
+        roots = square_roots(exp_avg_sqs)
+        return root_denominators(roots, c2, eps), denominators(exp_avg_sqs, c2, eps, factors, roots=roots)
+    roots = span.sqrt()
+    plain = roots.div(scalar_operand([roots], math.sqrt(c2))).add_(scalar_operand([roots], eps))
+    multipliers = moved(factors.div(c2).sqrt_(), dtype=roots.dtype)
+    apply_to_pieces("mul", roots, [t.numel() for t in exp_avg_sqs], multipliers)
+    scaled = roots.add_(scalar_operand([roots], eps))
+    return pieces(plain, exp_avg_sqs, False), pieces(scaled, exp_avg_sqs, False)
 
 
 def root_denominators(roots: Sequence[Tensor], c2: float, eps: float) -> list[Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -141,3 +141,16 @@ def apply_to_pieces(op: str, target: Tensor, numels: Sequence[int], vector: Tens
             getattr(run_rows(target, run), f"{op}_")(run_entries(vector, run)[:, None])
     else:
         getattr(target, f"{op}_")(expanded(vector, np.cumsum([0, *numels]).tolist()))
+
+
+def per_piece(fn: Callable[[Tensor, Run], Tensor], span: Tensor, like: Sequence[Tensor]) -> Tensor | None:
+    """``fn(rows, run)`` (a value per row) for each run of the pieces shaped like ``like`` that tile flat ``span``,
+    as one vector of a value per piece (0 for an empty one); ``None`` where the runs are not :func:`few`."""
+    by_run = runs([t.numel() for t in like])
+    if not few(by_run):
+        return None
+    values = [(run, fn(run_rows(span, run), run)) for run in by_run]
+    out = torch.zeros(len(like), dtype=values[0][1].dtype if values else span.dtype, device=span.device)
+    for run, value in values:
+        run_entries(out, run).copy_(value)
+    return out

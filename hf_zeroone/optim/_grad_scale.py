@@ -57,7 +57,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone._tensors import host_index, in_order, moved, mul_scalar_, picked, rows_by_group, shape_groups
+from hf_zeroone._runs import Run, per_piece, run_entries
+from hf_zeroone._tensors import flat_span, host_index, in_order, moved, mul_scalar_, picked, rows_by_group, shape_groups
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._scalar_vectors import Noted, adopt, as_vector, read_vector
 from hf_zeroone.optim._step_kind import StepKind
@@ -108,11 +109,9 @@ def factors(
 def norm_left(after: Tensor, handed: Tensor) -> Tensor:
     """The norms clipping left over the norms handed on (float32 vectors or 0-dim): 1 where nothing was handed on.
 
-    A zero gradient (a tensor the loss does not reach) hands on a zero norm; clipping cut nothing
-    from it, and 0/0 would make its samples, and then its denominators, NaN. Equal norms give 1
-    too, infinite ones included: a float32 norm overflows once the sum of squares passes float32's
-    range (elements of about ``1e19 / sqrt(n)``, where Adam's own arithmetic still holds), and
-    inf/inf would be NaN. Finite equal norms divide to exactly 1 anyway.
+    A zero gradient (a tensor the loss does not reach) hands on a zero norm, and 0/0 would make its
+    samples, and its denominators, NaN. Equal norms give 1, infinite ones too (a float32 norm
+    overflows on elements of about ``1e19 / sqrt(n)``, where Adam's arithmetic still holds).
     """
     return torch.where((handed > 0) & (after != handed), after / torch.where(handed > 0, handed, 1.0), 1.0)
 
@@ -154,19 +153,23 @@ def sample_statistics(dens: Sequence[Tensor], eps: float = 0.0) -> tuple[Tensor,
     """
     dens = list(dens)
     numels = torch.tensor([d.numel() for d in dens], device=dens[0].device)
+    span = flat_span(dens)  # flat state's: a reduction per run of its pieces (the same bits), where they run
+    l1 = None if span is None else per_piece(lambda rows, _: torch.linalg.vector_norm(rows, 1, dim=1), span, dens)
     # one division for all tensors, as each alone (a count converts to float32 as a Python int would)
-    means = torch.stack(torch._foreach_norm(dens, 1)) / numels.clamp(min=1).to(torch.float32)
-    counts = _active_counts(dens, idle_floors(means, eps))
+    means = (torch.stack(torch._foreach_norm(dens, 1)) if l1 is None else l1) / numels.clamp(min=1).to(torch.float32)
+    floors = idle_floors(means, eps)
+
+    def active(d: Tensor, run: Run) -> Tensor:  # compared in d's dtype
+        return d.ge(run_entries(floors, run)[:, None].to(d.dtype)).sum(1)
+
+    counts = None if l1 is None else per_piece(active, span, dens)
+    counts = _active_counts(dens, floors) if counts is None else counts
     idle = counts < numels
     return means, counts.to(torch.float32).clamp_(min=1.0), idle
 
 
 def _active_counts(dens: list[Tensor], floors: Tensor) -> Tensor:
-    """Per tensor, how many of its ``d`` are at least its floor (int64), compared in ``d``'s dtype.
-
-    One comparison and one row sum per shape (:func:`shape_groups`): a few calls for all tensors,
-    not two per tensor.
-    """
+    """Per tensor, how many of its ``d`` are at least its floor (int64), in ``d``'s dtype: a call per shape."""
     parts = []
     groups = shape_groups(dens, range(len(dens)))
     for group, rows in zip(groups, rows_by_group(floors, groups)):
@@ -199,8 +202,7 @@ def scale_samples(
         return torch.zeros(0, dtype=torch.float32, device=means.device)
     if idle is not None and not any(idle):  # no element to leave out: one multi-tensor call each
         return torch.stack(torch._foreach_norm(torch._foreach_div(grads, dens))).square_().div_(counts)
-    # Otherwise every tensor, one call per shape (see shape_groups); where a tensor has no idle
-    # element, nothing is masked and the norms are the same bits.
+    # Otherwise a call per shape (shape_groups); a tensor with no idle element: nothing masked, the same bits
     parts = []  # (indices, the norms of g / d)
     groups = shape_groups(dens, range(len(dens)))
     for group, rows in zip(groups, rows_by_group(idle_floors(means, eps), groups)):

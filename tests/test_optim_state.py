@@ -320,3 +320,43 @@ def test_a_tensor_first_reached_after_the_freeze_takes_no_other_tensors_samples(
     assert "grad_scale" not in opt.state[a]
     assert torch.equal(opt.state[b]["grad_scale"], opt_alone.state[alone]["grad_scale"])
     assert torch.equal(b, alone)
+
+
+@pytest.mark.parametrize("cls, kwargs", [(OneBitAdam, dict(freeze_step=3)), (ZeroOneAdam, {})])
+def test_moments_are_one_flat_tensor_each_from_the_first_step_and_after_a_load_with_the_same_steps(cls, kwargs):
+    """State made or loaded is laid out flat (one operation can cover it all); a resumed run keeps the bits."""
+    from hf_zeroone._tensors import flat_span
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 2))
+        params = list(model.parameters())
+        opt = (_zeroone if cls is ZeroOneAdam else cls)(params, lr=1e-2, **kwargs)
+        return params, opt
+
+    def train(params, opt, steps, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+
+    def flat(params, opt):
+        return all(flat_span([opt.state[p][k] for p in params]) is not None for k in ("exp_avg", "exp_avg_sq"))
+
+    params, opt = build()
+    train(params, opt, 5, 0)
+    assert flat(params, opt)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    resumed_params, resumed = build()
+    with torch.no_grad():
+        for p, q in zip(resumed_params, params):
+            p.copy_(q)
+    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    assert flat(resumed_params, resumed)
+    train(params, opt, 7, 1)
+    train(resumed_params, resumed, 7, 1)
+    for p, q in zip(params, resumed_params):
+        assert torch.equal(p, q)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from hf_zeroone._tensors import zeros_like_flat
 from hf_zeroone._warnings import user_stacklevel
 from hf_zeroone.comm import CommStats, Communicator
 from hf_zeroone.optim import _checkpoint, _memory
@@ -352,6 +353,10 @@ class OptimizerBooks(VarianceBooks, Optimizer):
         plain, restore = _checkpoint.split_for_torch(self, deferred if deferred is not None else state_dict)
         super().load_state_dict(plain)
         restore()
+        loaded = [p for _, p in self.trainable_params() if "exp_avg" in self.state[p]]
+        for key in ("exp_avg", "exp_avg_sq"):  # laid out flat again, as the first step makes them
+            for p, flat in zip(loaded, zeros_like_flat([self.state[p][key] for p in loaded])):
+                self.state[p][key] = flat.copy_(self.state[p][key])
         self._group_of = None  # torch's load puts new dicts in param_groups: the table's are stale
         self.flat_cache.clear()
         self.variance_views.clear()

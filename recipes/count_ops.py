@@ -3,7 +3,8 @@
 
 On a GPU each torch operation costs a few microseconds of host time and a kernel launch whatever its size, so a
 step's overhead is its number of operations, the same on every machine. Counted here on CPU ranks (gloo), for a
-model of ``N`` tiny ``Linear(8, 8)`` layers in one DDP bucket::
+model of ``N`` tiny ``Linear(8, 8)`` layers in one DDP bucket (``--biases``: ``N / 2`` layers with biases, the
+weights and biases interleaved as in a transformer)::
 
     torchrun --standalone --nproc_per_node 2 recipes/count_ops.py --tensors 100,400 --steps 12
 
@@ -133,8 +134,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         small, large = sizes[0], sizes[-1]
         base = counts[adamw]
+        what = "N Linear(8, 8) tensors" + (" (weights and biases)" if args.biases else "")
         print(f"aten operations per step, all threads, rank 0 ({dist.get_world_size()} gloo ranks, "
-              f"N Linear(8, 8) tensors{' (weights and biases)' if args.biases else ''} in one DDP bucket):\n")  # fmt: skip
+              f"{what} in one DDP bucket):\n")  # fmt: skip
         print(f"| optimizer | step kind | ops at N={large} | beyond DDP + AdamW | per tensor | "
               f"growth per added tensor, N={small}..{large} | all ops' growth | "
               f"time vs DDP + AdamW, N={large} |")  # fmt: skip

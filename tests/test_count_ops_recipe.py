@@ -36,14 +36,15 @@ def test_count_ops_prints_a_row_per_step_kind():
     assert {tuple(m[:2]) for m in nested.findall(proc.stdout)} == set(rows), proc.stdout
 
 
-def test_every_tensor_of_the_counted_model_gets_a_non_zero_gradient():
+@pytest.mark.parametrize("biases", [False, True])
+def test_every_tensor_of_the_counted_model_gets_a_non_zero_gradient(biases):
     """A model whose gradients vanish would count the masks of untrained tensors, not a training step."""
     sys.path.insert(0, str(RECIPE.parent))
     try:
         from count_ops import _model
     finally:
         sys.path.remove(str(RECIPE.parent))
-    model = _model(400)
+    model = _model(400, biases)
     model(torch.randn(4, 8, generator=torch.Generator().manual_seed(0))).square().mean().backward()
     zero = [i for i, p in enumerate(model.parameters()) if not bool((p.grad != 0).all())]
     assert not zero, f"{len(zero)} of 400 tensors have a zero gradient element, the first at layer {zero[0]}"

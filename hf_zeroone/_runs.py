@@ -143,14 +143,18 @@ def apply_to_pieces(op: str, target: Tensor, numels: Sequence[int], vector: Tens
         getattr(target, f"{op}_")(expanded(vector, np.cumsum([0, *numels]).tolist()))
 
 
-def per_piece(fn: Callable[[Tensor, Run], Tensor], span: Tensor, like: Sequence[Tensor]) -> Tensor | None:
-    """``fn(rows, run)`` (a value per row) for each run of the pieces shaped like ``like`` that tile flat ``span``,
-    as one vector of a value per piece (0 for an empty one); ``None`` where the runs are not :func:`few`."""
-    by_run = runs([t.numel() for t in like])
+def per_piece(
+    fn: Callable[..., Tensor], span: Tensor, like: Sequence[Tensor], reverse: bool = False, *operands: Tensor
+) -> Tensor | None:
+    """``fn(rows, *entries)`` (a value per row) for each run of the pieces shaped like ``like`` that tile flat
+    ``span`` in order or (``reverse``) reversed, with each per-piece operand's entries for the run: one vector of a
+    value per piece, in ``like``'s order (0 for an empty one); ``None`` where the runs are not :func:`few`."""
+    laid, operands = (like[::-1], [o.flip(0) for o in operands]) if reverse else (like, list(operands))
+    by_run = runs([t.numel() for t in laid])
     if not few(by_run):
         return None
-    values = [(run, fn(run_rows(span, run), run)) for run in by_run]
+    values = [(run, fn(run_rows(span, run), *(run_entries(o, run) for o in operands))) for run in by_run]
     out = torch.zeros(len(like), dtype=values[0][1].dtype if values else span.dtype, device=span.device)
     for run, value in values:
         run_entries(out, run).copy_(value)
-    return out
+    return out.flip(0) if reverse else out

@@ -44,16 +44,16 @@ def moved(t: Tensor, device: torch.device | None = None, dtype: torch.dtype | No
 def _scalar_op(op: str, tensors: Sequence[Tensor], value: float, in_place: bool) -> list[Tensor]:
     """``t <op> value`` for every tensor (``op``: ``"mul"``, ``"div"`` or ``"add"``), in place or as new tensors.
 
-    One operation on their :func:`flat_span` where they tile one (new tensors are then pieces of
-    one), else one multi-tensor call (see :func:`scalar_operand`).
+    One operation on the vector they tile, in order or reversed (:func:`tiling`; new tensors are
+    then pieces of one), else one multi-tensor call (see :func:`scalar_operand`).
     """
     tensors = list(tensors)
-    span = flat_span(tensors) if tensors else None
+    span, reverse = tiling(tensors) if tensors else (None, False)
     if span is not None:
         if in_place:
             getattr(span, f"{op}_")(scalar_operand([span], value))
             return tensors
-        return pieces(getattr(span, op)(scalar_operand([span], value)), tensors, False)
+        return pieces(getattr(span, op)(scalar_operand([span], value)), tensors, reverse)
     operand = scalar_operand(tensors, value)
     if op == "add" and isinstance(operand, Tensor):  # torch's overload taking one 0-dim tensor is slower on CPU
         operand = [operand] * len(tensors)

@@ -218,10 +218,14 @@ def test_pieces_of_interleaved_shapes_are_the_tensors_laid_end_to_end_one_view_p
     assert strided <= 9  # runs: 12 of (8, 8) and (8,) each, then a few odd ones
 
 
+@pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("shapes", [[(8, 8), (8,)] * 6, [(8, 8), (8,), (), (0,), (5, 3), (8,)] * 3 + [(7,)]])
-def test_flat_state_gives_the_denominators_and_statistics_of_separate_tensors_bit_for_bit(shapes):
-    """A variance laid out as one vector's pieces (the optimizer's flat state) goes a run at a time, with the bits of
-    the same values held tensor by tensor: the denominators, their means and their counts of active elements."""
+def test_flat_state_gives_the_denominators_and_statistics_of_separate_tensors_bit_for_bit(shapes, reverse):
+    """A variance laid out as one vector's pieces (the optimizer's flat state; reversed: a DDP bucket's order) goes
+    a run at a time, with the bits of the same values held tensor by tensor: the denominators, their means and their
+    counts of active elements."""
+    from hf_zeroone._tensors import tiling
+
     from hf_zeroone._tensors import zeros_like_flat
     from hf_zeroone.optim._functional import split_denominators
     from hf_zeroone.optim._grad_scale import sample_statistics
@@ -232,10 +236,13 @@ def test_flat_state_gives_the_denominators_and_statistics_of_separate_tensors_bi
     assert flat_span(flat) is not None
     for v in flat:
         v.copy_(torch.rand(v.shape, generator=g).pow(6) * 1e-4)  # many elements far below their tensor's mean
+    flat = flat[::-1] if reverse else flat
     alone = [v.clone() for v in flat]
     factors = torch.rand(len(shapes), generator=g) + 0.5
     got, want = split_denominators(flat, 0.9, 1e-8, factors), split_denominators(alone, 0.9, 1e-8, factors)
-    assert flat_span(got[0]) is not None and flat_span(got[1]) is not None  # computed on one vector
+    for dens in got:  # computed on one vector
+        span, reversed_ = tiling(dens)
+        assert span is not None and reversed_ == reverse
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         assert a.shape == b.shape and torch.equal(a, b)
     for a, b in zip(sample_statistics(got[0], 1e-8), sample_statistics(want[0], 1e-8)):

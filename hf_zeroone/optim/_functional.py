@@ -35,13 +35,13 @@ from hf_zeroone._tensors import (
     apply_per_tensor,
     div_scalar,
     div_scalar_,
-    flat_span,
     float32_norms,
     moved,
     mul_scalar,
     mul_scalar_,
     per_tensor_in_dtypes,
     scalar_operand,
+    tiling,
 )
 
 __all__ = [
@@ -132,9 +132,9 @@ def denominators(
 
 
 def square_roots(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``sqrt(t)`` of each tensor (new tensors): one operation where they tile one vector (:func:`flat_span`)."""
-    span = flat_span(tensors) if tensors else None
-    return pieces(span.sqrt(), list(tensors), False) if span is not None else list(torch._foreach_sqrt(list(tensors)))
+    """``sqrt(t)`` of each tensor (new tensors): one operation where they tile one vector (:func:`tiling`)."""
+    span, reverse = tiling(list(tensors)) if tensors else (None, False)
+    return pieces(span.sqrt(), list(tensors), reverse) if span is not None else list(torch._foreach_sqrt(list(tensors)))
 
 
 def split_denominators(
@@ -144,19 +144,21 @@ def split_denominators(
 
     ``factors``: the scale of ``follow_gradient_scale``, as :func:`denominators` takes it. The same
     bits as :func:`root_denominators` and :func:`denominators` with ``roots=``; where ``v`` tiles one
-    vector (flat state) and every tensor has a factor, computed on that vector and cut into pieces once.
+    vector (flat state, in order or reversed) and every tensor has a factor, computed on that vector and
+    cut into pieces once.
     """
     exp_avg_sqs = list(exp_avg_sqs)
-    span = flat_span(exp_avg_sqs) if isinstance(factors, Tensor) else None
+    span, reverse = tiling(exp_avg_sqs) if isinstance(factors, Tensor) else (None, False)
     if span is None:
         roots = square_roots(exp_avg_sqs)
         return root_denominators(roots, c2, eps), denominators(exp_avg_sqs, c2, eps, factors, roots=roots)
     roots = span.sqrt()
     plain = roots.div(scalar_operand([roots], math.sqrt(c2))).add_(scalar_operand([roots], eps))
     multipliers = moved(factors.div(c2).sqrt_(), dtype=roots.dtype)
-    apply_to_pieces("mul", roots, [t.numel() for t in exp_avg_sqs], multipliers)
+    laid = exp_avg_sqs[::-1] if reverse else exp_avg_sqs
+    apply_to_pieces("mul", roots, [t.numel() for t in laid], multipliers.flip(0) if reverse else multipliers)
     scaled = roots.add_(scalar_operand([roots], eps))
-    return pieces(plain, exp_avg_sqs, False), pieces(scaled, exp_avg_sqs, False)
+    return pieces(plain, exp_avg_sqs, reverse), pieces(scaled, exp_avg_sqs, reverse)
 
 
 def root_denominators(roots: Sequence[Tensor], c2: float, eps: float) -> list[Tensor]:

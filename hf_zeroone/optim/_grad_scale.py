@@ -57,8 +57,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone._runs import Run, per_piece, run_entries
-from hf_zeroone._tensors import flat_span, host_index, in_order, moved, mul_scalar_, picked, rows_by_group, shape_groups
+from hf_zeroone._runs import per_piece
+from hf_zeroone._tensors import host_index, in_order, moved, mul_scalar_, picked, rows_by_group, shape_groups, tiling
 from hf_zeroone.optim import _functional as F
 from hf_zeroone.optim._scalar_vectors import Noted, adopt, as_vector, read_vector
 from hf_zeroone.optim._step_kind import StepKind
@@ -153,19 +153,19 @@ def sample_statistics(dens: Sequence[Tensor], eps: float = 0.0) -> tuple[Tensor,
     """
     dens = list(dens)
     numels = torch.tensor([d.numel() for d in dens], device=dens[0].device)
-    span = flat_span(dens)  # flat state's: a reduction per run of its pieces (the same bits), where they run
-    l1 = None if span is None else per_piece(lambda rows, _: torch.linalg.vector_norm(rows, 1, dim=1), span, dens)
+    span, reverse = tiling(dens)  # flat state's: a reduction per run of its pieces (the same bits), where they run
+    l1 = None if span is None else per_piece(lambda d: torch.linalg.vector_norm(d, 1, dim=1), span, dens, reverse)
     # one division for all tensors, as each alone (a count converts to float32 as a Python int would)
     means = (torch.stack(torch._foreach_norm(dens, 1)) if l1 is None else l1) / numels.clamp(min=1).to(torch.float32)
     floors = idle_floors(means, eps)
-
-    def active(d: Tensor, run: Run) -> Tensor:  # compared in d's dtype
-        return d.ge(run_entries(floors, run)[:, None].to(d.dtype)).sum(1)
-
-    counts = None if l1 is None else per_piece(active, span, dens)
+    counts = None if l1 is None else per_piece(_at_least, span, dens, reverse, floors)
     counts = _active_counts(dens, floors) if counts is None else counts
     idle = counts < numels
     return means, counts.to(torch.float32).clamp_(min=1.0), idle
+
+
+def _at_least(rows: Tensor, floors: Tensor) -> Tensor:
+    return rows.ge(floors[:, None].to(rows.dtype)).sum(1)  # each row's count, compared in d's dtype
 
 
 def _active_counts(dens: list[Tensor], floors: Tensor) -> Tensor:

@@ -224,9 +224,7 @@ def test_flat_state_gives_the_denominators_and_statistics_of_separate_tensors_bi
     """A variance laid out as one vector's pieces (the optimizer's flat state; reversed: a DDP bucket's order) goes
     a run at a time, with the bits of the same values held tensor by tensor: the denominators, their means and their
     counts of active elements."""
-    from hf_zeroone._tensors import tiling
-
-    from hf_zeroone._tensors import zeros_like_flat
+    from hf_zeroone._tensors import tiling, zeros_like_flat
     from hf_zeroone.optim._functional import split_denominators
     from hf_zeroone.optim._grad_scale import sample_statistics
 

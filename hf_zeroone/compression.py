@@ -41,8 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_zeroone import _runs as runs_module
-from hf_zeroone._runs import Run, expanded, run_entries, run_rows, runs
+from hf_zeroone._runs import Run, expanded, few, run_entries, run_rows, runs
 
 __all__ = [
     "ChunkLayout",
@@ -199,14 +198,9 @@ def _runs(bounds: Sequence[int]) -> list[Run] | None:
     (:func:`~hf_zeroone._runs.expanded`, an extra pass over the vector) and their norms in one
     multi-tensor call. Both forms give the same bits.
     """
-    return _runs_of(tuple(bounds), EXPAND_BELOW, runs_module.PIECES_PER_RUN)
-
-
-@functools.lru_cache(maxsize=256)  # a pure function of a layout (and the two thresholds): the same at every call
-def _runs_of(bounds: tuple[int, ...], expand_below: int, pieces_per_run: int) -> list[Run] | None:
-    by_run = runs(np.diff(np.asarray(bounds, dtype=np.int64)))
+    by_run = runs(np.diff(np.asarray(bounds, dtype=np.int64)))  # cached per layout (_runs.runs)
     segments = sum(run[4] for run in by_run)
-    return by_run if pieces_per_run * len(by_run) <= segments or bounds[-1] >= expand_below * segments else None
+    return by_run if few(by_run) or bounds[-1] >= EXPAND_BELOW * segments else None
 
 
 #: many segments of varied lengths shorter than this on average get their scales expanded (a little per
